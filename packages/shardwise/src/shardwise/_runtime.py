@@ -1,0 +1,220 @@
+"""``shardwise.init`` / ``destroy`` / ``get_default_group`` and group resolution."""
+
+from __future__ import annotations
+
+import os
+import threading
+from datetime import timedelta
+from typing import Any, Mapping, Optional, Union
+
+import torch.distributed as dist
+
+from shardwise import plugins
+from shardwise._group import Group
+from shardwise._launchers import detect_launch
+from shardwise._records import Backend, LaunchInfo
+from shardwise.errors import BackendNotFoundError, BackendUnavailableError, LaunchError
+
+__all__ = [
+    "BACKEND_ENV",
+    "DEFAULT_TIMEOUT",
+    "TIMEOUT_ENV",
+    "destroy",
+    "detect",
+    "get_default_group",
+    "init",
+    "is_initialized",
+    "resolve_group",
+    "select_backend",
+]
+
+BACKEND_ENV = "SHARDWISE_BACKEND"
+TIMEOUT_ENV = "SHARDWISE_TIMEOUT"
+#: How long a rendezvous or a collective may wait for a peer before failing.
+DEFAULT_TIMEOUT = timedelta(minutes=5)
+
+_lock = threading.Lock()
+_default: Optional[Group] = None
+
+
+def detect(environ: Optional[Mapping[str, str]] = None) -> LaunchInfo:
+    """What the launcher says about this process (no communication).
+
+    Args:
+        environ: Environment to read; defaults to ``os.environ``.
+
+    Raises:
+        LaunchError: the launcher's variables are malformed.
+    """
+    env = os.environ if environ is None else environ
+    return detect_launch(plugins.list_launchers(), env)
+
+
+def select_backend(launch: LaunchInfo) -> Backend:
+    """The backend ``init`` picks when none is named.
+
+    The first available backend that lists ``launch.family`` in its
+    ``preferred_under`` (``mpi`` under an MPI launcher) wins; otherwise the
+    available backend with the highest ``priority`` (nccl when CUDA is
+    usable, else gloo). Ties go to the alphabetically first name.
+
+    Raises:
+        BackendNotFoundError: no installed backend is available; the
+            message gives each one's reason.
+    """
+    backends = plugins.list_backends()
+    usable = []
+    reasons = []
+    for backend in backends:
+        availability = plugins.availability(backend)
+        if availability:
+            usable.append(backend)
+        else:
+            reasons.append(f"{backend.name}: {availability.reason}")
+    if not usable:
+        detail = "; ".join(reasons) if reasons else "no backend plugin is installed"
+        raise BackendNotFoundError(
+            f"no usable shardwise backend ({detail}). `pip install shardwise-gloo` for CPU collectives."
+        )
+    return max(usable, key=lambda b: (launch.family in b.preferred_under, b.priority))
+
+
+def _timeout(value: Union[None, float, timedelta], env: Mapping[str, str]) -> timedelta:
+    if value is None:
+        raw = env.get(TIMEOUT_ENV)
+        if not raw:
+            return DEFAULT_TIMEOUT
+        try:
+            value = float(raw)
+        except ValueError:
+            raise LaunchError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+    if not isinstance(value, timedelta):
+        value = timedelta(seconds=float(value))
+    if value.total_seconds() <= 0:
+        raise ValueError(f"timeout must be positive, got {value}")
+    return value
+
+
+def init(
+    backend: Optional[str] = None,
+    timeout: Union[None, float, timedelta] = None,
+    *,
+    environ: Optional[Mapping[str, str]] = None,
+) -> Group:
+    """Join the job the launcher started and make the default group.
+
+    Reads the launcher's environment (torchrun, MPICH/Hydra, Intel MPI,
+    Open MPI, ``srun``; a plain process is rank 0 of 1), picks a backend,
+    and creates the group every shardwise call uses when given no
+    ``process_group``.
+
+    Args:
+        backend: Backend name. When None: ``SHARDWISE_BACKEND`` if set,
+            else ``mpi`` under an MPI launcher when installed, ``nccl`` when
+            CUDA is usable, else ``gloo`` (see :func:`select_backend`).
+        timeout: Seconds (or a ``timedelta``) a rendezvous or collective may
+            wait for a peer; default ``SHARDWISE_TIMEOUT`` or 5 minutes.
+        environ: Environment to read instead of ``os.environ``.
+
+    Returns:
+        The default group.
+
+    Raises:
+        LaunchError: ``init`` was already called without ``destroy``, or the
+            launcher's environment is incomplete (the message names the
+            variables to set).
+        BackendNotFoundError: the backend is not installed (the message
+            says which distribution to install).
+        BackendUnavailableError: it is installed but cannot run here.
+    """
+    global _default
+    env = os.environ if environ is None else environ
+    with _lock:
+        if _default is not None:
+            raise LaunchError(
+                f"shardwise.init() was already called (backend {_default.backend!r}, rank "
+                f"{_default.rank} of {_default.size}); call shardwise.destroy() before initialising again"
+            )
+        launch = detect(env)
+        name = backend or env.get(BACKEND_ENV) or None
+        record = plugins.get_backend(name) if name else select_backend(launch)
+        availability = plugins.availability(record)
+        if not availability:
+            raise BackendUnavailableError(
+                f"backend {record.name!r} is installed but cannot run here: {availability.reason}"
+            )
+        group = record.create_group(launch, _timeout(timeout, env))
+        if not isinstance(group, Group):
+            raise BackendUnavailableError(
+                f"backend {record.name!r} returned {type(group).__name__} from create_group, not a shardwise Group"
+            )
+        if (group.rank, group.size) != (launch.rank, launch.world_size):
+            group.destroy()
+            raise LaunchError(
+                f"backend {record.name!r} made rank {group.rank} of {group.size}, but the "
+                f"{launch.launcher} launcher says rank {launch.rank} of {launch.world_size}"
+            )
+        _default = group
+        return group
+
+
+def destroy() -> None:
+    """Tear down the default group made by :func:`init` (no-op if none)."""
+    global _default
+    with _lock:
+        group, _default = _default, None
+    if group is not None:
+        group.destroy()
+
+
+def is_initialized() -> bool:
+    """True between :func:`init` and :func:`destroy`."""
+    return _default is not None
+
+
+def get_default_group() -> Group:
+    """The group used when ``process_group=None``.
+
+    The one :func:`init` made; else torch's default process group, if
+    ``torch.distributed`` was initialised directly.
+
+    Raises:
+        LaunchError: neither exists.
+    """
+    group = _default
+    if group is not None:
+        return group
+    if dist.is_available() and dist.is_initialized():
+        from shardwise.torch_group import wrap_process_group
+
+        world = dist.group.WORLD
+        assert world is not None
+        return wrap_process_group(world)
+    raise LaunchError(
+        "no default group: call shardwise.init() first (or torch.distributed.init_process_group)"
+    )
+
+
+def resolve_group(process_group: Any = None) -> Group:
+    """Turn a ``process_group=`` argument into a :class:`Group`.
+
+    Args:
+        process_group: A shardwise ``Group``, a
+            ``torch.distributed.ProcessGroup`` (wrapped on the fly), or None
+            for :func:`get_default_group`.
+
+    Raises:
+        TypeError: it is none of these.
+    """
+    if process_group is None:
+        return get_default_group()
+    if isinstance(process_group, Group):
+        return process_group
+    if dist.is_available() and isinstance(process_group, dist.ProcessGroup):
+        from shardwise.torch_group import wrap_process_group
+
+        return wrap_process_group(process_group)
+    raise TypeError(
+        f"process_group must be a shardwise Group, a torch.distributed.ProcessGroup or None, "
+        f"got {type(process_group).__name__}"
+    )

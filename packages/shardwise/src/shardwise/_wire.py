@@ -1,0 +1,177 @@
+"""Tensor plumbing shared by every collective: dtypes, wire views, JSON.
+
+The "wire" form of a tensor is a flat, contiguous, detached view (or copy)
+on a device the backend moves natively, in a dtype every backend can carry:
+``bool`` travels as ``uint8`` and complex as its real view. Nothing here
+communicates.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Optional
+
+import torch
+
+__all__ = [
+    "DTYPES",
+    "REDUCE_OPS",
+    "dtype_code",
+    "encode_json",
+    "decode_json",
+    "from_wire",
+    "normalize_reduce_op",
+    "to_wire",
+]
+
+#: Dtypes collectives accept, indexed by their code in the handshake.
+DTYPES: tuple[torch.dtype, ...] = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
+)
+_CODES = {dtype: code for code, dtype in enumerate(DTYPES)}
+
+REDUCE_OPS: tuple[str, ...] = ("sum", "avg", "min", "max", "product")
+_OP_ALIASES = {"prod": "product", "mean": "avg", "add": "sum"}
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """Code of ``dtype`` in :data:`DTYPES`.
+
+    Raises:
+        TypeError: the dtype cannot be sent (quantized, float8, ...).
+    """
+    try:
+        return _CODES[dtype]
+    except KeyError:
+        names = ", ".join(str(d).replace("torch.", "") for d in DTYPES)
+        raise TypeError(f"collectives cannot send {dtype} tensors; supported: {names}") from None
+
+
+def normalize_reduce_op(op: Any) -> str:
+    """``"sum"``, ``torch.distributed.ReduceOp.SUM`` ... as one of :data:`REDUCE_OPS`.
+
+    Raises:
+        ValueError: the op is not one shardwise reduces with.
+    """
+    if isinstance(op, str):
+        name = op.lower()
+    else:
+        # torch's ReduceOp and its RedOpType print as "ReduceOp.SUM" or "RedOpType.SUM".
+        name = str(getattr(op, "name", op)).rsplit(".", 1)[-1].lower()
+    name = _OP_ALIASES.get(name, name)
+    if name not in REDUCE_OPS:
+        raise ValueError(f"unsupported reduce op {op!r}; use one of {', '.join(REDUCE_OPS)}")
+    return name
+
+
+def check_reducible(dtype: torch.dtype, op: str) -> str:
+    """The op to run on the wire form of ``dtype`` tensors for ``op``.
+
+    Raises:
+        TypeError: ``op`` has no meaning for ``dtype`` (avg of integers,
+            min/max/product of complex numbers, avg of bools).
+    """
+    if dtype == torch.bool:
+        if op == "avg":
+            raise TypeError("avg of bool tensors is not defined; reduce with sum (logical or) or min")
+        # On uint8 0/1 values, max is "or" and min is "and".
+        return {"sum": "max", "max": "max", "min": "min", "product": "min"}[op]
+    if dtype.is_complex and op not in ("sum", "avg"):
+        raise TypeError(f"{op} of complex tensors is not elementwise; only sum and avg are defined")
+    if op == "avg" and not (dtype.is_floating_point or dtype.is_complex):
+        raise TypeError(f"avg of {dtype} tensors would truncate; reduce with sum and divide yourself")
+    return op
+
+
+def to_wire(tensor: torch.Tensor, device: Optional[torch.device]) -> torch.Tensor:
+    """Flat contiguous detached form of ``tensor`` on ``device``.
+
+    Shares storage with ``tensor`` when it is already contiguous and on
+    ``device`` (None means "keep its device"), so in-place collectives can
+    write straight into the caller's tensor.
+    """
+    wire = tensor.detach()
+    if wire.dtype == torch.bool:
+        wire = wire.view(torch.uint8)
+    elif wire.is_complex():
+        wire = torch.view_as_real(wire.resolve_conj())
+    if device is not None and wire.device != device:
+        wire = wire.to(device)
+    return wire.contiguous().reshape(-1)
+
+
+def from_wire(flat: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """Undo :func:`to_wire`: view ``flat`` as ``dtype`` with ``shape``."""
+    if dtype == torch.bool:
+        return flat.view(torch.bool).reshape(shape)
+    if dtype.is_complex:
+        return torch.view_as_complex(flat.reshape(*shape, 2))
+    return flat.reshape(shape)
+
+
+def wire_numel(dtype: torch.dtype, numel: int) -> int:
+    """Elements on the wire for ``numel`` elements of ``dtype``."""
+    return numel * 2 if dtype.is_complex else numel
+
+
+def wire_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype of the wire form of ``dtype``."""
+    if dtype == torch.bool:
+        return torch.uint8
+    if dtype.is_complex:
+        return torch.float32 if dtype == torch.complex64 else torch.float64
+    return dtype
+
+
+def _check_json_safe(obj: Any, path: str) -> None:
+    if obj is None or isinstance(obj, (bool, int, str)):
+        return
+    if isinstance(obj, float):
+        if not math.isfinite(obj):
+            raise TypeError(f"{path} is {obj!r}; JSON has no NaN or infinity")
+        return
+    if isinstance(obj, (list, tuple)):
+        for i, item in enumerate(obj):
+            _check_json_safe(item, f"{path}[{i}]")
+        return
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            if not isinstance(key, str):
+                raise TypeError(f"{path} has key {key!r} of type {type(key).__name__}; JSON keys must be str")
+            _check_json_safe(value, f"{path}[{key!r}]")
+        return
+    raise TypeError(
+        f"{path} is a {type(obj).__module__}.{type(obj).__qualname__}, which is not JSON-safe; "
+        "exchange() carries only None, bool, int, float, str, list, tuple and dict with str keys"
+    )
+
+
+def encode_json(obj: Any) -> bytes:
+    """Strict JSON bytes of ``obj`` (tuples become lists).
+
+    Raises:
+        TypeError: ``obj`` holds something JSON cannot represent exactly;
+            the message gives its path (``obj['shards'][2]``).
+    """
+    _check_json_safe(obj, "obj")
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
+def decode_json(data: bytes) -> Any:
+    """Parse bytes produced by :func:`encode_json` on a peer (never unpickles)."""
+    return json.loads(data.decode("utf-8"))

@@ -1,0 +1,59 @@
+"""Exceptions raised by shardwise.
+
+Every exception derives from :class:`ShardwiseError` and from the builtin
+exception a caller would naturally catch (``LookupError`` for a missing
+backend, ``RuntimeError`` for a failed collective), so existing ``except``
+clauses keep working.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BackendNotFoundError",
+    "BackendUnavailableError",
+    "CollectiveMismatchError",
+    "LaunchError",
+    "OpNotFoundError",
+    "PeerError",
+    "PluginError",
+    "ShardwiseError",
+]
+
+
+class ShardwiseError(Exception):
+    """Base class of every shardwise error."""
+
+
+class PluginError(ShardwiseError, RuntimeError):
+    """A plugin is broken: bad records, duplicate registrations, bad hooks."""
+
+
+class BackendNotFoundError(ShardwiseError, LookupError):
+    """No installed plugin provides the backend that was asked for."""
+
+
+class BackendUnavailableError(ShardwiseError, RuntimeError):
+    """The backend is installed but cannot run here (no CUDA, no MPI)."""
+
+
+class OpNotFoundError(ShardwiseError, LookupError):
+    """No plugin implements an op for the given sharding spec."""
+
+
+class LaunchError(ShardwiseError, RuntimeError):
+    """The launcher's environment is incomplete or ``init`` was misused."""
+
+
+class CollectiveMismatchError(ShardwiseError, RuntimeError):
+    """Ranks called a collective with arguments that do not agree.
+
+    Raised on every rank of the group, so that no rank is left waiting.
+    """
+
+
+class PeerError(ShardwiseError, RuntimeError):
+    """Another rank rejected its own input to a collective this rank joined.
+
+    The rank at fault raises the real error (``TypeError``, ``ValueError``);
+    every other rank raises this one, naming that rank.
+    """

@@ -1,0 +1,14 @@
+"""Helpers for testing code that runs on several ranks.
+
+``run_ranks(fn, world_size, backend="gloo")`` starts ``world_size`` fresh
+processes, initialises shardwise in each, runs ``fn`` and returns every
+rank's result — or raises :class:`RankError` with every rank's traceback
+(and a stack dump of ranks that hung) once a rank fails or the timeout
+passes. It never hangs the test suite.
+"""
+
+from __future__ import annotations
+
+from shardwise.testing._harness import RankError, current_rank_dir, run_ranks
+
+__all__ = ["RankError", "current_rank_dir", "run_ranks"]

@@ -1,0 +1,281 @@
+"""The parent side of :func:`run_ranks`."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+__all__ = ["RankError", "current_rank_dir", "run_ranks"]
+
+#: After one rank fails, how long the others get to fail on their own
+#: (their collectives notice the dead peer) before they are killed.
+GRACE_SECONDS = 10.0
+_LOG_TAIL = 60
+
+
+@dataclass(frozen=True)
+class RankOutcome:
+    """How one rank ended."""
+
+    rank: int
+    exitcode: Optional[int]
+    traceback: str
+    log_tail: str
+    hung: bool
+
+
+class RankError(AssertionError):
+    """One or more ranks failed, or the run timed out.
+
+    Attributes:
+        outcomes: How each rank ended, in rank order.
+        timed_out: True when the run hit its timeout.
+    """
+
+    def __init__(self, message: str, outcomes: Sequence[RankOutcome], timed_out: bool) -> None:
+        super().__init__(message)
+        self.outcomes = list(outcomes)
+        self.timed_out = timed_out
+
+    def traceback_of(self, rank: int) -> str:
+        """The traceback rank ``rank`` reported ("" if it did not fail)."""
+        return self.outcomes[rank].traceback
+
+
+def current_rank_dir() -> Path:
+    """Inside ``run_ranks``: a directory shared by all ranks of this run."""
+    return Path(os.environ["SHARDWISE_TESTING_DIR"])
+
+
+def _fn_ref(fn: Callable[..., Any]) -> tuple[str, str]:
+    module = getattr(fn, "__module__", None)
+    qualname = getattr(fn, "__qualname__", None)
+    if not module or not qualname or module == "__main__" or "<locals>" in qualname:
+        raise ValueError(
+            f"run_ranks needs a function importable by module and name; {fn!r} is not "
+            "(define it at module level in an importable module)"
+        )
+    return module, qualname
+
+
+def _tail(path: Path) -> str:
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except FileNotFoundError:
+        return ""
+    return "\n".join(lines[-_LOG_TAIL:])
+
+
+def _start_store() -> Any:
+    # The parent hosts the rendezvous store on a port the OS picks and
+    # keeps it open for the whole run, so concurrent runs never collide on
+    # a port and no rank races another to bind it (ranks connect as
+    # clients, as under torchrun's agent store).
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *,
+    backend: Optional[str] = "gloo",
+    args: Sequence[Any] = (),
+    kwargs: Optional[Mapping[str, Any]] = None,
+    timeout: float = 120.0,
+    init_timeout: Optional[float] = None,
+    env: Optional[Mapping[str, str]] = None,
+    launcher: str = "spawn",
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` new processes.
+
+    Args:
+        fn: A module-level function; it runs after ``shardwise.init``.
+        world_size: Number of ranks.
+        backend: Backend passed to ``shardwise.init``; None to let ``fn``
+            initialise (or not) by itself.
+        args: Positional arguments (pickled to the children).
+        kwargs: Keyword arguments (pickled to the children).
+        timeout: Seconds the whole run may take before every rank's stack
+            is dumped and the ranks are killed.
+        init_timeout: Collective timeout for ``shardwise.init``; default a
+            little under ``timeout`` so ranks report their own errors first.
+        env: Extra environment variables for every rank.
+        launcher: ``"spawn"`` (one process per rank, torchrun's variables
+            set by the harness) or ``"torchrun"`` (a real
+            ``python -m torch.distributed.run``).
+
+    Returns:
+        Every rank's return value, in rank order.
+
+    Raises:
+        RankError: a rank raised or crashed, or the run timed out; the
+            message holds each failing rank's traceback and log tail.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if launcher not in ("spawn", "torchrun"):
+        raise ValueError(f"launcher must be 'spawn' or 'torchrun', got {launcher!r}")
+    module, qualname = _fn_ref(fn)
+    if init_timeout is None:
+        init_timeout = max(timeout * 0.75, timeout - 15.0)
+    with tempfile.TemporaryDirectory(prefix="shardwise-ranks-") as tmp:
+        workdir = Path(tmp)
+        spec = {
+            "module": module,
+            "qualname": qualname,
+            "args": tuple(args),
+            "kwargs": dict(kwargs or {}),
+            "sys_path": list(sys.path),
+            "backend": backend,
+            "init_timeout": init_timeout,
+        }
+        (workdir / "spec.pkl").write_bytes(pickle.dumps(spec))
+        base_env = dict(os.environ)
+        base_env.update(
+            {
+                "SHARDWISE_TESTING_DIR": str(workdir),
+                "PYTHONUNBUFFERED": "1",
+                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+            }
+        )
+        base_env.update(env or {})
+        worker = [sys.executable, "-m", "shardwise.testing._worker", str(workdir / "spec.pkl")]
+        store = None
+        if launcher == "spawn":
+            store = _start_store()
+            procs = []
+            for rank in range(world_size):
+                rank_env = dict(base_env)
+                rank_env.update(
+                    {
+                        "RANK": str(rank),
+                        "WORLD_SIZE": str(world_size),
+                        "LOCAL_RANK": str(rank),
+                        "LOCAL_WORLD_SIZE": str(world_size),
+                        "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": str(store.port),
+                        "TORCHELASTIC_USE_AGENT_STORE": "True",
+                    }
+                )
+                procs.append(_popen(worker, rank_env, workdir / f"launcher_{rank}.txt"))
+        else:
+            cmd = [
+                sys.executable, "-m", "torch.distributed.run", "--standalone",
+                f"--nproc-per-node={world_size}", *worker[1:],
+            ]
+            procs = [_popen(cmd, base_env, workdir / "launcher.txt")]
+        try:
+            return _wait(procs, world_size, workdir, timeout)
+        finally:
+            for proc in procs:
+                _kill(proc)
+            del store
+
+
+def _popen(cmd: list[str], env: Mapping[str, str], log: Path) -> subprocess.Popen[bytes]:
+    with open(log, "wb") as out:
+        return subprocess.Popen(cmd, env=dict(env), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _kill(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+
+def _dump_stacks(workdir: Path, ranks: Sequence[int]) -> None:
+    for rank in ranks:
+        pid_file = workdir / f"pid_{rank}"
+        if pid_file.exists():
+            try:
+                os.kill(int(pid_file.read_text()), signal.SIGUSR1)
+            except (ProcessLookupError, ValueError):
+                pass
+    time.sleep(0.5)
+
+
+def _wait(procs: list[subprocess.Popen[bytes]], world_size: int, workdir: Path, timeout: float) -> list[Any]:
+    deadline = time.monotonic() + timeout
+    failed_at: Optional[float] = None
+    timed_out = False
+
+    def done(rank: int) -> bool:
+        return (workdir / f"result_{rank}.pkl").exists() or (workdir / f"error_{rank}.txt").exists()
+
+    while True:
+        running = [p for p in procs if p.poll() is None]
+        if not running:
+            break
+        failures = any((workdir / f"error_{r}.txt").exists() for r in range(world_size)) or any(
+            p.returncode not in (None, 0) for p in procs
+        )
+        now = time.monotonic()
+        if failures and failed_at is None:
+            failed_at = now
+        if failed_at is not None and now - failed_at > GRACE_SECONDS:
+            break
+        if now > deadline:
+            timed_out = True
+            break
+        time.sleep(0.05)
+    hung = [r for r in range(world_size) if not done(r)]
+    if any(p.poll() is None for p in procs):
+        _dump_stacks(workdir, hung)
+        for proc in procs:
+            _kill(proc)
+    results: list[Any] = []
+    outcomes: list[RankOutcome] = []
+    launcher_log = _tail(workdir / "launcher.txt") if len(procs) == 1 and world_size > 1 else ""
+    for rank in range(world_size):
+        error_file = workdir / f"error_{rank}.txt"
+        result_file = workdir / f"result_{rank}.pkl"
+        proc = procs[rank] if len(procs) == world_size else procs[0]
+        log = _tail(workdir / f"log_{rank}.txt") or _tail(workdir / f"launcher_{rank}.txt")
+        if result_file.exists() and not error_file.exists():
+            results.append(pickle.loads(result_file.read_bytes()))
+            outcomes.append(RankOutcome(rank, proc.returncode, "", log, False))
+        else:
+            tb = error_file.read_text() if error_file.exists() else ""
+            outcomes.append(RankOutcome(rank, proc.returncode, tb, log, rank in hung))
+    bad = [o for o in outcomes if o.traceback or o.hung or (o.exitcode not in (0, None) and not o.traceback)]
+    if not bad and len(results) == world_size and not timed_out:
+        return results
+    raise RankError(_report(outcomes, timed_out, timeout, launcher_log), outcomes, timed_out)
+
+
+def _report(outcomes: Sequence[RankOutcome], timed_out: bool, timeout: float, launcher_log: str) -> str:
+    failed = [o.rank for o in outcomes if o.traceback]
+    hung = [o.rank for o in outcomes if o.hung and not o.traceback]
+    parts = []
+    if timed_out:
+        parts.append(f"timed out after {timeout:g}s")
+    if failed:
+        parts.append(f"rank(s) {failed} raised")
+    if hung:
+        parts.append(f"rank(s) {hung} did not finish (killed; stacks below)")
+    lines = ["run_ranks failed: " + "; ".join(parts or ["a rank exited without a result"])]
+    for o in outcomes:
+        if not (o.traceback or o.hung or o.exitcode not in (0, None)):
+            continue
+        lines.append(f"\n----- rank {o.rank} (exit code {o.exitcode}) -----")
+        if o.traceback:
+            lines.append(o.traceback.rstrip())
+        if o.log_tail:
+            lines.append(f"--- rank {o.rank} output (last {_LOG_TAIL} lines) ---")
+            lines.append(o.log_tail)
+    if launcher_log:
+        lines.append("\n----- launcher output -----\n" + launcher_log)
+    return "\n".join(lines)

@@ -1,0 +1,43 @@
+"""Registers backend ``"gloo"`` through the ``shardwise_backends`` hook."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Iterable
+
+from shardwise import Availability, Backend, Group, LaunchInfo, hookimpl
+
+__all__ = ["shardwise_backends"]
+
+
+def is_available() -> Availability:
+    """Whether this torch build has gloo."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return Availability(False, "this torch build has no torch.distributed")
+    if not dist.is_gloo_available():
+        return Availability(False, "this torch build was compiled without gloo")
+    return Availability(True)
+
+
+def create_group(launch: LaunchInfo, timeout: timedelta) -> Group:
+    """Rendezvous through the launcher's MASTER_ADDR/MASTER_PORT and make a gloo group."""
+    import torch
+
+    from shardwise.torch_group import init_torch_process_group
+
+    return init_torch_process_group("gloo", launch, timeout, device=torch.device("cpu"))
+
+
+@hookimpl
+def shardwise_backends() -> Iterable[Backend]:
+    yield Backend(
+        name="gloo",
+        is_available=is_available,
+        create_group=create_group,
+        devices=("cpu",),
+        distribution="shardwise-gloo",
+        priority=0,
+        description="torch.distributed gloo: CPU tensors over TCP",
+    )
