@@ -240,6 +240,14 @@ class Group(abc.ABC):
         out_counts[src] = out.numel()
         self._all_to_all(out, out_counts, inp if inp is not None else out.new_empty(0), in_counts)
 
+    def _reduction_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """Dtype the backend reduces ``dtype`` values in (override to upcast).
+
+        Raises:
+            TypeError: the backend cannot reduce this dtype at all.
+        """
+        return dtype
+
     def destroy(self) -> None:
         """Release the backend's resources; the group is unusable afterwards."""
 
@@ -329,9 +337,9 @@ class Group(abc.ABC):
         if rows is not None:
             self._check_tensor_rows(rows)
             self._check_same(rows, rows.count, what="number of elements")
-        wire = _wire.to_wire(tensor, self._wire_device(tensor))
+        wire = _wire.to_bytes(tensor, self._wire_device(tensor))
         self._broadcast(wire, src)
-        _write_back(tensor, wire)
+        _write_back(tensor, _wire.from_bytes(wire, tensor.dtype, tuple(tensor.shape)))
         return tensor
 
     def all_reduce(self, tensor: torch.Tensor, op: Any = "sum") -> torch.Tensor:
@@ -354,6 +362,7 @@ class Group(abc.ABC):
             _check_tensor(tensor, "tensor")
             name = _wire.normalize_reduce_op(op)
             _wire.check_reducible(tensor.dtype, name)
+            self._reduction_dtype(_wire.wire_dtype(tensor.dtype))
             return _Call("all_reduce", tensor.dtype, tuple(tensor.shape), reduce_op=name, count=tensor.numel())
 
         call, rows = self._handshake(prepare)
@@ -361,17 +370,24 @@ class Group(abc.ABC):
             self._check_tensor_rows(rows)
             self._check_same(rows, rows.count, what="number of elements")
         wire = _wire.to_wire(tensor, self._wire_device(tensor))
-        self._reduce_into(wire, tensor.dtype, call.reduce_op, lambda w, o: self._all_reduce(w, o))
-        _write_back(tensor, wire)
+        op_name, kind = self._wire_reduction(tensor.dtype, call.reduce_op)
+        buf = wire.to(kind)
+        self._all_reduce(buf, op_name)
+        self._finish_reduction(buf, call.reduce_op, wire)
+        _write_back(tensor, _wire.from_wire(wire, tensor.dtype, tuple(tensor.shape)))
         return tensor
 
-    def _reduce_into(
-        self, wire: torch.Tensor, dtype: torch.dtype, op: str, run: Callable[[torch.Tensor, str], None]
-    ) -> None:
+    def _wire_reduction(self, dtype: torch.dtype, op: str) -> tuple[str, torch.dtype]:
+        """The op the backend runs for ``op`` on ``dtype``, and the dtype it runs in."""
         wire_op = _wire.check_reducible(dtype, op)
-        run(wire, "sum" if wire_op == "avg" else wire_op)
-        if wire_op == "avg":
-            wire.div_(self.size)
+        return ("sum" if wire_op == "avg" else wire_op), self._reduction_dtype(_wire.wire_dtype(dtype))
+
+    def _finish_reduction(self, buf: torch.Tensor, op: str, out: torch.Tensor) -> None:
+        """Scale an average and cast ``buf`` back into ``out`` (a no-op when they alias)."""
+        if op == "avg":
+            buf.div_(self.size)
+        if buf.data_ptr() != out.data_ptr():
+            out.copy_(buf)
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's ``tensor``, in rank order, on every rank.
@@ -392,8 +408,8 @@ class Group(abc.ABC):
         self._check_tensor_rows(rows)
         dims = [rows.count(r) for r in range(self.size)]
         shape = tuple(tensor.shape)
-        wire = _wire.to_wire(tensor, self._wire_device(tensor))
-        per_row = _wire.wire_numel(tensor.dtype, _prod(shape[1:]))
+        wire = _wire.to_bytes(tensor, self._wire_device(tensor))
+        per_row = tensor.dtype.itemsize * _prod(shape[1:])
         counts = [d * per_row for d in dims]
         out = wire.new_empty(sum(counts))
         self._all_gather(out, wire, counts)
@@ -415,6 +431,7 @@ class Group(abc.ABC):
             shape = _check_list(inputs, self.size, "inputs")
             name = _wire.normalize_reduce_op(op)
             _wire.check_reducible(inputs[0].dtype, name)
+            self._reduction_dtype(_wire.wire_dtype(inputs[0].dtype))
             sizes = [_rows_of(tuple(t.shape)) for t in inputs]
             return _Call("reduce_scatter", inputs[0].dtype, shape, reduce_op=name, splits_a=sizes)
 
@@ -424,11 +441,14 @@ class Group(abc.ABC):
             self._check_same(rows, rows.splits_a, what="size of each rank's chunk")
         dtype, device = inputs[0].dtype, inputs[0].device
         shape_r = tuple(inputs[self.rank].shape)
+        op_name, kind = self._wire_reduction(dtype, call.reduce_op)
         flat = [_wire.to_wire(t, self._wire_device(t)) for t in inputs]
-        inp = torch.cat(flat) if len(flat) > 1 else flat[0]
         counts = [t.numel() for t in flat]
-        out = inp.new_empty(counts[self.rank])
-        self._reduce_into(out, dtype, call.reduce_op, lambda o, wop: self._reduce_scatter(o, inp, counts, wop))
+        inp = torch.cat(flat).to(kind)
+        buf = inp.new_empty(counts[self.rank])
+        self._reduce_scatter(buf, inp, counts, op_name)
+        out = buf if buf.dtype == flat[0].dtype else torch.empty_like(buf, dtype=flat[0].dtype)
+        self._finish_reduction(buf, call.reduce_op, out)
         return _wire.from_wire(out, dtype, shape_r).to(device)
 
     def all_to_all(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -451,9 +471,9 @@ class Group(abc.ABC):
         self._check_tensor_rows(rows)
         dtype, device, shape = inputs[0].dtype, inputs[0].device, tuple(inputs[0].shape)
         recv_dims = [rows.splits_a(r)[self.rank] for r in range(self.size)]
-        flat = [_wire.to_wire(t, self._wire_device(t)) for t in inputs]
+        flat = [_wire.to_bytes(t, self._wire_device(t)) for t in inputs]
         inp = torch.cat(flat)
-        per_row = _wire.wire_numel(dtype, _prod(shape[1:]))
+        per_row = dtype.itemsize * _prod(shape[1:])
         out_counts = [d * per_row for d in recv_dims]
         out = inp.new_empty(sum(out_counts))
         self._all_to_all(out, out_counts, inp, [t.numel() for t in flat])
@@ -506,11 +526,11 @@ class Group(abc.ABC):
         else:
             outs = list(call.splits_b)
         shape = tuple(tensor.shape)
-        per_row = _wire.wire_numel(tensor.dtype, _prod(shape[1:]))
-        wire = _wire.to_wire(tensor, self._wire_device(tensor))
+        per_row = tensor.dtype.itemsize * _prod(shape[1:])
+        wire = _wire.to_bytes(tensor, self._wire_device(tensor))
         out = wire.new_empty(sum(outs) * per_row)
         self._all_to_all(out, [o * per_row for o in outs], wire, [i * per_row for i in ins])
-        return _wire.from_wire(out, tensor.dtype, (sum(outs), *shape[1:])).to(tensor.device)
+        return _wire.from_bytes(out, tensor.dtype, (sum(outs), *shape[1:])).to(tensor.device)
 
     def scatter(self, tensors: Optional[Sequence[torch.Tensor]], src: int = 0) -> torch.Tensor:
         """Send ``tensors[r]`` from ``src`` to rank r.
@@ -541,20 +561,20 @@ class Group(abc.ABC):
         assert dtype is not None
         ndim, trailing = rows.ndim(src), rows.trailing(src)
         my_rows = rows.splits_a(src)[self.rank]
-        per_row = _wire.wire_numel(dtype, _prod(trailing))
+        per_row = dtype.itemsize * _prod(trailing)
         out_shape = (my_rows, *trailing) if ndim > 0 else ()
         if self.rank == src:
             assert tensors is not None
-            flat = [_wire.to_wire(t, self._wire_device(t)) for t in tensors]
+            flat = [_wire.to_bytes(t, self._wire_device(t)) for t in tensors]
             inp: Optional[torch.Tensor] = torch.cat(flat)
             device = tensors[src].device
             out = flat[0].new_empty(my_rows * per_row)
         else:
             inp, device = None, self._device
-            out = torch.empty(my_rows * per_row, dtype=_wire.wire_dtype(dtype), device=self._device)
+            out = torch.empty(my_rows * per_row, dtype=torch.uint8, device=self._device)
         counts = [n * per_row for n in rows.splits_a(src)]
         self._scatter(out, inp, counts, src)
-        return _wire.from_wire(out, dtype, out_shape).to(device)
+        return _wire.from_bytes(out, dtype, out_shape).to(device)
 
     def gather(self, tensor: torch.Tensor, dst: int = 0) -> Optional[list[torch.Tensor]]:
         """Collect every rank's ``tensor`` on ``dst``.
@@ -574,10 +594,10 @@ class Group(abc.ABC):
         assert rows is not None
         self._check_tensor_rows(rows)
         shape = tuple(tensor.shape)
-        per_row = _wire.wire_numel(tensor.dtype, _prod(shape[1:]))
+        per_row = tensor.dtype.itemsize * _prod(shape[1:])
         dims = [rows.count(r) for r in range(self.size)]
         counts = [d * per_row for d in dims]
-        wire = _wire.to_wire(tensor, self._wire_device(tensor))
+        wire = _wire.to_bytes(tensor, self._wire_device(tensor))
         out = wire.new_empty(sum(counts)) if self.rank == dst else None
         self._gather(out, counts, wire, dst)
         if out is None:
@@ -692,12 +712,12 @@ def _splits(splits: Optional[Sequence[int]], total: int, size: int, name: str) -
     return values
 
 
-def _write_back(tensor: torch.Tensor, wire: torch.Tensor) -> None:
-    """Copy ``wire`` into ``tensor`` unless they already share memory."""
+def _write_back(tensor: torch.Tensor, result: torch.Tensor) -> None:
+    """Copy ``result`` into ``tensor`` unless it already lives in ``tensor``'s memory."""
     target = tensor.detach()
-    if wire.device == target.device and wire.untyped_storage().data_ptr() == target.untyped_storage().data_ptr():
+    if result.device == target.device and result.untyped_storage().data_ptr() == target.untyped_storage().data_ptr():
         return
-    target.copy_(_wire.from_wire(wire, tensor.dtype, tuple(tensor.shape)).to(tensor.device))
+    target.copy_(result.to(tensor.device))
 
 
 def _split_out(
@@ -713,6 +733,6 @@ def _split_out(
     offset = 0
     for n, d in zip(counts, dims):
         piece_shape = (d, *shape[1:]) if shape else ()
-        pieces.append(_wire.from_wire(out[offset:offset + n], dtype, piece_shape))
+        pieces.append(_wire.from_bytes(out[offset:offset + n], dtype, piece_shape))
         offset += n
     return pieces

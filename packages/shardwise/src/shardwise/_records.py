@@ -7,6 +7,7 @@ which plugin made them.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
@@ -171,7 +172,14 @@ class ShardedOp:
 
 
 def qualified_name(obj: Any) -> str:
-    """``module.qualname`` of a function or class, for messages and sorting."""
+    """``module.name`` of a function or class, for messages and sorting.
+
+    Prefers the public name a module exposes the object under, so
+    ``torch.add`` reads as such rather than as its C binding's qualname.
+    """
     module = getattr(obj, "__module__", None) or ""
-    name = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None) or repr(obj)
-    return f"{module}.{name}" if module else name
+    name = getattr(obj, "__name__", None)
+    if module and name and getattr(sys.modules.get(module), name, None) is obj:
+        return f"{module}.{name}"
+    qualname = getattr(obj, "__qualname__", None) or name or repr(obj)
+    return f"{module}.{qualname}" if module else qualname

@@ -88,7 +88,7 @@ class Registry:
         caller = getattr(self.pm.hook, hook_name)
         # Each impl is called on its own so every record is attributed to
         # the plugin that yielded it (duplicate errors name both plugins).
-        for impl in reversed(caller.get_hookimpls()):
+        for impl in caller.get_hookimpls():
             try:
                 produced = impl.function()
                 records = list(produced) if produced is not None else []

@@ -17,12 +17,16 @@ import torch
 __all__ = [
     "DTYPES",
     "REDUCE_OPS",
+    "check_reducible",
+    "decode_json",
     "dtype_code",
     "encode_json",
-    "decode_json",
+    "from_bytes",
     "from_wire",
     "normalize_reduce_op",
+    "to_bytes",
     "to_wire",
+    "wire_dtype",
 ]
 
 #: Dtypes collectives accept, indexed by their code in the handshake.
@@ -124,18 +128,31 @@ def from_wire(flat: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) ->
     return flat.reshape(shape)
 
 
-def wire_numel(dtype: torch.dtype, numel: int) -> int:
-    """Elements on the wire for ``numel`` elements of ``dtype``."""
-    return numel * 2 if dtype.is_complex else numel
-
-
 def wire_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Dtype of the wire form of ``dtype``."""
+    """Dtype of :func:`to_wire`'s result for a ``dtype`` tensor."""
     if dtype == torch.bool:
         return torch.uint8
     if dtype.is_complex:
         return torch.float32 if dtype == torch.complex64 else torch.float64
     return dtype
+
+
+def to_bytes(tensor: torch.Tensor, device: Optional[torch.device]) -> torch.Tensor:
+    """Flat contiguous ``uint8`` view (or copy) of ``tensor`` on ``device``.
+
+    Collectives that only move data send bytes, so every dtype travels on
+    every backend (gloo cannot send int16 or unsigned types as such).
+    Shares storage with ``tensor`` when it is contiguous and on ``device``.
+    """
+    wire = tensor.detach().resolve_conj().resolve_neg()
+    if device is not None and wire.device != device:
+        wire = wire.to(device)
+    return wire.contiguous().reshape(-1).view(torch.uint8)
+
+
+def from_bytes(flat: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """Undo :func:`to_bytes`: view ``flat`` bytes as ``dtype`` with ``shape``."""
+    return flat.view(dtype).reshape(shape)
 
 
 def _check_json_safe(obj: Any, path: str) -> None:

@@ -35,6 +35,11 @@ _REDUCE = {
 }
 
 
+# torch backends reduce none of these natively; modular arithmetic makes the
+# wider sum/product wrap exactly as the narrow one would.
+_UPCAST = {torch.int16: torch.int32, torch.uint16: torch.int32, torch.uint32: torch.int64}
+
+
 def _device_types(backend: str) -> tuple[str, ...]:
     """Device types a torch backend string (``"cpu:gloo,cuda:nccl"``) moves natively."""
     if ":" in backend:
@@ -79,6 +84,11 @@ class TorchGroup(Group):
         self.pg = pg
         self._owns = owns
 
+    def _reduction_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        if dtype == torch.uint64:
+            raise TypeError(f"backend {self.backend!r} cannot reduce uint64 tensors; cast to int64 first")
+        return _UPCAST.get(dtype, dtype)
+
     def _barrier(self) -> None:
         if self._device.type == "cuda":
             dist.barrier(group=self.pg, device_ids=[self._device.index or 0])
@@ -94,18 +104,18 @@ class TorchGroup(Group):
     def _all_gather(self, out: torch.Tensor, inp: torch.Tensor, counts: Sequence[int]) -> None:
         most = max(counts)
         if all(c == most for c in counts):
-            dist.all_gather_into_tensor(out, inp, group=self.pg)
+            dist.all_gather_single(out, inp, group=self.pg)
             return
         padded_in = inp.new_zeros(most)
         padded_in[: inp.numel()] = inp
         padded_out = inp.new_empty(most * self.size)
-        dist.all_gather_into_tensor(padded_out, padded_in, group=self.pg)
+        dist.all_gather_single(padded_out, padded_in, group=self.pg)
         torch.cat([padded_out[r * most : r * most + c] for r, c in enumerate(counts)], out=out)
 
     def _reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, counts: Sequence[int], op: str) -> None:
         most = max(counts)
         if all(c == most for c in counts):
-            dist.reduce_scatter_tensor(out, inp, op=_REDUCE[op], group=self.pg)
+            dist.reduce_scatter_single(out, inp, op=_REDUCE[op], group=self.pg)
             return
         padded = inp.new_zeros(most * self.size)
         offset = 0
@@ -113,7 +123,7 @@ class TorchGroup(Group):
             padded[r * most : r * most + c] = inp[offset : offset + c]
             offset += c
         chunk = inp.new_empty(most)
-        dist.reduce_scatter_tensor(chunk, padded, op=_REDUCE[op], group=self.pg)
+        dist.reduce_scatter_single(chunk, padded, op=_REDUCE[op], group=self.pg)
         out.copy_(chunk[: counts[self.rank]])
 
     def _all_to_all(

@@ -1,0 +1,51 @@
+# shardwise monorepo: `make install` then `make test`.
+#
+# torch is always installed through constraints.txt (torch==2.13.0, the CPU
+# build): an unpinned torch would pull the multi-GB CUDA build.
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+PIP    := $(BIN)/python -m pip
+
+# Editable distributions installed into the dev venv.
+DISTS := -e packages/shardwise[test] -e plugins/shardwise-gloo -e plugins/shardwise-nccl
+DEV_TOOLS := tox ruff mypy pytest pytest-timeout hypothesis numpy
+
+# `make install` is re-run when any of these change.
+INSTALL_INPUTS := constraints.txt $(wildcard packages/*/pyproject.toml plugins/*/pyproject.toml)
+STAMP := $(VENV)/.install-stamp
+
+LINT_PATHS := packages plugins integration_tests
+MYPY_PATHS := packages/shardwise/src/shardwise
+
+.PHONY: install test lint clean distclean
+
+install: $(STAMP)
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): $(BIN)/python $(INSTALL_INPUTS)
+	$(PIP) install -c constraints.txt $(DISTS) $(DEV_TOOLS)
+	touch $@
+
+# The whole tox matrix, one env after another: the tests start several
+# processes per test, so running envs in parallel on a small machine only
+# makes timeouts likelier. Pass options with TOX_ARGS (TOX_ARGS="-e core").
+test: install
+	$(BIN)/tox $(TOX_ARGS)
+
+lint: install
+	$(BIN)/ruff check $(LINT_PATHS)
+	$(BIN)/mypy $(MYPY_PATHS)
+
+# Build and test leftovers; `distclean` also removes the dev venv.
+clean:
+	rm -rf .tox .mypy_cache .ruff_cache .pytest_cache .hypothesis build dist $(STAMP)
+	find packages plugins integration_tests -type d \
+		\( -name __pycache__ -o -name '*.egg-info' -o -name build -o -name .pytest_cache \) \
+		-prune -exec rm -rf {} +
+
+distclean: clean
+	rm -rf $(VENV)
