@@ -159,7 +159,11 @@ def init(
 
 
 def destroy() -> None:
-    """Tear down the default group made by :func:`init` (no-op if none)."""
+    """Tear down the default group made by :func:`init` (no-op if none).
+
+    Call it on every rank after the last collective: it waits until all
+    ranks arrive, so no rank closes connections a peer is still using.
+    """
     global _default
     with _lock:
         group, _default = _default, None

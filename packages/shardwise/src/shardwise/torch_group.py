@@ -141,6 +141,10 @@ class TorchGroup(Group):
         return TorchGroup(sub, device=self._device, owns="group", verify=self.verify)
 
     def destroy(self) -> None:
+        if self._owns is not None:
+            # Tearing gloo down while a peer still finishes its last
+            # collective aborts that peer's process at exit; wait for all.
+            self._barrier()
         if self._owns == "default" and dist.is_initialized():
             dist.destroy_process_group()
         elif self._owns == "group":

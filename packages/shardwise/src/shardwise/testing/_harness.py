@@ -253,21 +253,29 @@ def _wait(procs: list[subprocess.Popen[bytes]], world_size: int, workdir: Path, 
     bad = [o for o in outcomes if o.traceback or o.hung or (o.exitcode not in (0, None) and not o.traceback)]
     if not bad and len(results) == world_size and not timed_out:
         return results
-    raise RankError(_report(outcomes, timed_out, timeout, launcher_log), outcomes, timed_out)
+    errors = [(f.stat().st_mtime_ns, r) for r in range(world_size) if (f := workdir / f"error_{r}.txt").exists()]
+    first = min(errors)[1] if errors else None
+    raise RankError(_report(outcomes, timed_out, timeout, launcher_log, first), outcomes, timed_out)
 
 
-def _report(outcomes: Sequence[RankOutcome], timed_out: bool, timeout: float, launcher_log: str) -> str:
+def _report(
+    outcomes: Sequence[RankOutcome], timed_out: bool, timeout: float, launcher_log: str, first: Optional[int]
+) -> str:
     failed = [o.rank for o in outcomes if o.traceback]
     hung = [o.rank for o in outcomes if o.hung and not o.traceback]
     parts = []
     if timed_out:
         parts.append(f"timed out after {timeout:g}s")
+    if first is not None:
+        # Peers of a failed rank fail too (their collectives lose it); the
+        # first error is the cause, so it is named and shown first.
+        parts.append(f"rank {first} failed first")
     if failed:
         parts.append(f"rank(s) {failed} raised")
     if hung:
         parts.append(f"rank(s) {hung} did not finish (killed; stacks below)")
     lines = ["run_ranks failed: " + "; ".join(parts or ["a rank exited without a result"])]
-    for o in outcomes:
+    for o in sorted(outcomes, key=lambda o: o.rank != first):
         if not (o.traceback or o.hung or o.exitcode not in (0, None)):
             continue
         lines.append(f"\n----- rank {o.rank} (exit code {o.exitcode}) -----")

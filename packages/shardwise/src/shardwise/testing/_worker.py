@@ -37,11 +37,11 @@ def main(spec_path: str) -> int:
             import shardwise
 
             shardwise.init(spec["backend"], timeout=spec["init_timeout"])
-        try:
-            result = target(*spec["args"], **spec["kwargs"])
-        finally:
-            if spec["backend"] is not None:
-                shardwise.destroy()
+        result = target(*spec["args"], **spec["kwargs"])
+        if spec["backend"] is not None:
+            # Only on success: destroy waits for every rank, which a failed
+            # run's peers may never reach.
+            shardwise.destroy()
         tmp = workdir / f"result_{rank}.tmp"
         tmp.write_bytes(pickle.dumps(result))
         tmp.rename(workdir / f"result_{rank}.pkl")

@@ -1,0 +1,96 @@
+"""shardwise.testing.run_ranks: results, failures and hangs never hang the suite."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+import shardwise
+from shardwise.testing import RankError, current_rank_dir, run_ranks
+
+from conftest import RANK_ENV
+
+
+def report(tag: str) -> dict[str, object]:
+    g = shardwise.get_default_group()
+    return {"tag": tag, "rank": g.rank, "size": g.size, "pid": os.getpid(), "dir": str(current_rank_dir())}
+
+
+def raise_on_rank_one() -> None:
+    g = shardwise.get_default_group()
+    if g.rank == 1:
+        raise ValueError("rank one is unhappy")
+    g.all_reduce(torch.ones(1))  # waits for rank 1, which never comes
+
+
+def hang_on_rank_zero() -> None:
+    if shardwise.get_default_group().rank == 0:
+        time.sleep(600)
+
+
+def no_init() -> bool:
+    return shardwise.is_initialized()
+
+
+def crash_hard() -> None:
+    if shardwise.get_default_group().rank == 1:
+        os._exit(7)
+    shardwise.get_default_group().barrier()
+
+
+def test_results_in_rank_order() -> None:
+    results = run_ranks(report, 3, backend="test-gloo", args=("x",), env=RANK_ENV, timeout=60)
+    assert [r["rank"] for r in results] == [0, 1, 2]
+    assert {r["size"] for r in results} == {3} and {r["tag"] for r in results} == {"x"}
+    assert len({r["pid"] for r in results}) == 3 and len({r["dir"] for r in results}) == 1
+
+
+def test_backend_none_leaves_init_to_the_function() -> None:
+    assert run_ranks(no_init, 2, backend=None, timeout=60) == [False, False]
+
+
+def test_a_raising_rank_fails_fast_with_its_traceback() -> None:
+    start = time.monotonic()
+    with pytest.raises(RankError) as info:
+        run_ranks(raise_on_rank_one, 2, backend="test-gloo", env=RANK_ENV, timeout=100)
+    assert time.monotonic() - start < 40
+    error = info.value
+    assert "ValueError: rank one is unhappy" in error.traceback_of(1)
+    message = str(error)
+    assert "rank 1 failed first" in message
+    assert message.index("----- rank 1") < message.index("ValueError: rank one is unhappy")
+    assert not error.timed_out
+
+
+def test_a_hung_rank_is_killed_with_a_stack_dump() -> None:
+    start = time.monotonic()
+    with pytest.raises(RankError) as info:
+        run_ranks(hang_on_rank_zero, 2, backend="test-gloo", env=RANK_ENV, timeout=8)
+    assert time.monotonic() - start < 30
+    error = info.value
+    assert error.timed_out and error.outcomes[0].hung
+    assert "timed out after 8s" in str(error)
+    assert "hang_on_rank_zero" in error.outcomes[0].log_tail  # faulthandler's dump of the stuck frame
+
+
+def test_a_rank_that_dies_without_python_error() -> None:
+    with pytest.raises(RankError) as info:
+        run_ranks(crash_hard, 2, backend="test-gloo", env=RANK_ENV, timeout=60)
+    assert info.value.outcomes[1].exitcode == 7
+
+
+def local_function_holder() -> None:
+    def inner() -> None:
+        pass
+
+    run_ranks(inner, 1)
+
+
+def test_functions_must_be_importable() -> None:
+    with pytest.raises(ValueError, match="importable by module and name"):
+        local_function_holder()
+    with pytest.raises(ValueError, match="world_size must be >= 1"):
+        run_ranks(report, 0)
