@@ -94,3 +94,12 @@ def test_functions_must_be_importable() -> None:
         local_function_holder()
     with pytest.raises(ValueError, match="world_size must be >= 1"):
         run_ranks(report, 0)
+
+
+def test_concurrent_runs_never_share_a_port() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        runs = [pool.submit(run_ranks, report, 2, backend="test-gloo", args=(str(i),), env=RANK_ENV, timeout=90) for i in range(3)]
+        outcomes = [run.result() for run in runs]
+    assert [[r["tag"] for r in results] for results in outcomes] == [["0", "0"], ["1", "1"], ["2", "2"]]

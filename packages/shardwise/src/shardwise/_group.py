@@ -23,109 +23,29 @@ from __future__ import annotations
 import abc
 import ctypes
 import os
-from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from shardwise import _wire
+from shardwise._handshake import (
+    STATUS_ERRORS,
+    Call,
+    Rows,
+    check_list,
+    check_splits,
+    check_tensor,
+    prod,
+    rows_of,
+    show,
+    split_out,
+    write_back,
+)
 from shardwise.errors import CollectiveMismatchError, PeerError
 
 __all__ = ["Group", "VERIFY_ENV"]
 
 VERIFY_ENV = "SHARDWISE_VERIFY_COLLECTIVES"
-
-_OPS = (
-    "barrier", "broadcast", "all_reduce", "all_gather", "reduce_scatter",
-    "all_to_all", "scatter", "gather", "exchange", "new_group",
-)
-_STATUS_ERRORS: tuple[type[Exception], ...] = (TypeError, ValueError, IndexError)
-_HEADER = 8  # op, dtype, status, ndim, root, reduce op, count, reserved
-_MAX_DIMS = 16
-_NO_TENSOR = -1
-
-
-@dataclass
-class _Call:
-    """One rank's description of its call, as carried by the handshake."""
-
-    op: str
-    dtype: Optional[torch.dtype] = None
-    shape: Optional[tuple[int, ...]] = None  # None: this rank passes no tensor
-    root: int = -1
-    reduce_op: str = ""
-    count: int = 0
-    splits_a: Sequence[int] = ()
-    splits_b: Sequence[int] = ()
-
-    def encode(self, size: int) -> list[int]:
-        row = [0] * (_HEADER + _MAX_DIMS + 2 * size)
-        row[0] = _OPS.index(self.op)
-        row[1] = _wire.dtype_code(self.dtype) if self.dtype is not None else _NO_TENSOR
-        row[3] = _NO_TENSOR if self.shape is None else len(self.shape)
-        row[4] = self.root
-        row[5] = _wire.REDUCE_OPS.index(self.reduce_op) if self.reduce_op else _NO_TENSOR
-        row[6] = self.count
-        if self.shape is not None:
-            if len(self.shape) > _MAX_DIMS + 1:
-                raise ValueError(f"collectives take tensors of at most {_MAX_DIMS + 1} dims, got {len(self.shape)}")
-            row[_HEADER:_HEADER + len(self.shape) - 1] = list(self.shape[1:])
-        base = _HEADER + _MAX_DIMS
-        row[base:base + len(self.splits_a)] = list(self.splits_a)
-        row[base + size:base + size + len(self.splits_b)] = list(self.splits_b)
-        return row
-
-
-class _Rows:
-    """The handshake result: every rank's row, decoded on demand."""
-
-    def __init__(self, table: list[list[int]], size: int) -> None:
-        self.table = table
-        self.size = size
-
-    def op(self, r: int) -> str:
-        code = self.table[r][0]
-        return _OPS[code] if 0 <= code < len(_OPS) else f"<unknown op {code}>"
-
-    def dtype(self, r: int) -> Optional[torch.dtype]:
-        code = self.table[r][1]
-        return None if code == _NO_TENSOR else _wire.DTYPES[code]
-
-    def ndim(self, r: int) -> int:
-        return self.table[r][3]
-
-    def trailing(self, r: int) -> tuple[int, ...]:
-        ndim = self.ndim(r)
-        return tuple(self.table[r][_HEADER:_HEADER + max(ndim - 1, 0)])
-
-    def root(self, r: int) -> int:
-        return self.table[r][4]
-
-    def reduce_op(self, r: int) -> int:
-        return self.table[r][5]
-
-    def count(self, r: int) -> int:
-        return self.table[r][6]
-
-    def splits_a(self, r: int) -> list[int]:
-        base = _HEADER + _MAX_DIMS
-        return self.table[r][base:base + self.size]
-
-    def splits_b(self, r: int) -> list[int]:
-        base = _HEADER + _MAX_DIMS + self.size
-        return self.table[r][base:base + self.size]
-
-
-def _prod(values: Sequence[int]) -> int:
-    out = 1
-    for v in values:
-        out *= v
-    return out
-
-
-def _rows_of(shape: tuple[int, ...]) -> int:
-    """Length along dim 0, with a 0-d tensor counted as one row."""
-    return shape[0] if shape else 1
 
 
 class Group(abc.ABC):
@@ -192,7 +112,8 @@ class Group(abc.ABC):
         return self._device
 
     def __repr__(self) -> str:
-        return f"<{type(self).__name__} backend={self.backend!r} rank={self.rank} size={self.size} device={self.device}>"
+        name = type(self).__name__
+        return f"<{name} backend={self.backend!r} rank={self.rank} size={self.size} device={self.device}>"
 
     # -- primitives a backend implements -------------------------------------
     @abc.abstractmethod
@@ -226,7 +147,10 @@ class Group(abc.ABC):
         """A group of ``ranks`` (sorted ranks of this group); None on non-members."""
 
     def _gather(self, out: Optional[torch.Tensor], counts: Sequence[int], inp: torch.Tensor, dst: int) -> None:
-        """Concatenate every rank's ``inp`` into ``out`` on ``dst`` (default: an all-to-all with one receiver)."""
+        """Concatenate every rank's ``inp`` into ``out`` on ``dst``.
+
+        The default is an all-to-all with one receiver.
+        """
         in_counts = [0] * self.size
         in_counts[dst] = inp.numel()
         out_counts = list(counts) if self.rank == dst else [0] * self.size
@@ -234,7 +158,10 @@ class Group(abc.ABC):
         self._all_to_all(buf, out_counts, inp, in_counts)
 
     def _scatter(self, out: torch.Tensor, inp: Optional[torch.Tensor], counts: Sequence[int], src: int) -> None:
-        """Send chunk r of ``inp`` (lengths ``counts``) from ``src`` to rank r (default: an all-to-all with one sender)."""
+        """Send chunk r of ``inp`` (lengths ``counts``) from ``src`` to rank r.
+
+        The default is an all-to-all with one sender.
+        """
         in_counts = list(counts) if self.rank == src else [0] * self.size
         out_counts = [0] * self.size
         out_counts[src] = out.numel()
@@ -255,7 +182,7 @@ class Group(abc.ABC):
     def _wire_device(self, tensor: torch.Tensor) -> Optional[torch.device]:
         return None if tensor.device.type in self._devices else self._device
 
-    def _handshake(self, prepare: Callable[[], _Call], *, required: bool = False) -> tuple[_Call, Optional[_Rows]]:
+    def _handshake(self, prepare: Callable[[], Call], *, required: bool = False) -> tuple[Call, Optional[Rows]]:
         """Validate locally, then (if verifying) agree with every rank.
 
         ``prepare`` raises TypeError/ValueError/IndexError for bad local
@@ -267,16 +194,16 @@ class Group(abc.ABC):
         try:
             call = prepare()
             row = call.encode(self.size)
-        except _STATUS_ERRORS as exc:
+        except STATUS_ERRORS as exc:
             error = exc
-            call = _Call(op="barrier")
+            call = Call(op="barrier")
             row = call.encode(self.size)
-            row[2] = 1 + next(i for i, kind in enumerate(_STATUS_ERRORS) if isinstance(exc, kind))
+            row[2] = 1 + next(i for i, kind in enumerate(STATUS_ERRORS) if isinstance(exc, kind))
         width = len(row)
         mine = torch.tensor(row, dtype=torch.int64, device=self._device)
         table = torch.empty(width * self.size, dtype=torch.int64, device=self._device)
         self._all_gather(table, mine, [width] * self.size)
-        rows = _Rows(table.view(self.size, width).tolist(), self.size)
+        rows = Rows(table.view(self.size, width).tolist(), self.size)
         failed = [r for r in range(self.size) if rows.table[r][2] != 0]
         if error is not None:
             raise error
@@ -298,13 +225,13 @@ class Group(abc.ABC):
         self._check_same(rows, rows.reduce_op, what="reduce op")
         return call, rows
 
-    def _check_same(self, rows: _Rows, get: Callable[[int], Any], *, what: str) -> None:
+    def _check_same(self, rows: Rows, get: Callable[[int], Any], *, what: str) -> None:
         values = {r: get(r) for r in range(self.size)}
         if len(set(map(repr, values.values()))) > 1:
-            shown = ", ".join(f"rank {r}: {_show(v)}" for r, v in values.items())
+            shown = ", ".join(f"rank {r}: {show(v)}" for r, v in values.items())
             raise CollectiveMismatchError(f"{rows.op(self.rank)}: ranks disagree on the {what} ({shown})")
 
-    def _check_tensor_rows(self, rows: _Rows) -> None:
+    def _check_tensor_rows(self, rows: Rows) -> None:
         self._check_same(rows, rows.dtype, what="dtype")
         self._check_same(rows, rows.ndim, what="number of dimensions")
         self._check_same(rows, rows.trailing, what="shape after dim 0")
@@ -317,7 +244,7 @@ class Group(abc.ABC):
     def barrier(self) -> None:
         """Block until every rank of the group has reached it."""
         if self.verify:
-            self._handshake(lambda: _Call(op="barrier"))
+            self._handshake(lambda: Call(op="barrier"))
         else:
             self._barrier()
 
@@ -328,10 +255,10 @@ class Group(abc.ABC):
             ``tensor`` itself. Its dtype and shape must agree on all ranks.
         """
 
-        def prepare() -> _Call:
+        def prepare() -> Call:
             self._check_root(src, "src")
-            _check_tensor(tensor, "tensor")
-            return _Call("broadcast", tensor.dtype, tuple(tensor.shape), root=src, count=tensor.numel())
+            check_tensor(tensor, "tensor")
+            return Call("broadcast", tensor.dtype, tuple(tensor.shape), root=src, count=tensor.numel())
 
         _, rows = self._handshake(prepare)
         if rows is not None:
@@ -339,7 +266,7 @@ class Group(abc.ABC):
             self._check_same(rows, rows.count, what="number of elements")
         wire = _wire.to_bytes(tensor, self._wire_device(tensor))
         self._broadcast(wire, src)
-        _write_back(tensor, _wire.from_bytes(wire, tensor.dtype, tuple(tensor.shape)))
+        write_back(tensor, _wire.from_bytes(wire, tensor.dtype, tuple(tensor.shape)))
         return tensor
 
     def all_reduce(self, tensor: torch.Tensor, op: Any = "sum") -> torch.Tensor:
@@ -358,12 +285,12 @@ class Group(abc.ABC):
             TypeError: ``op`` is undefined for the dtype (avg of ints).
         """
 
-        def prepare() -> _Call:
-            _check_tensor(tensor, "tensor")
+        def prepare() -> Call:
+            check_tensor(tensor, "tensor")
             name = _wire.normalize_reduce_op(op)
             _wire.check_reducible(tensor.dtype, name)
             self._reduction_dtype(_wire.wire_dtype(tensor.dtype))
-            return _Call("all_reduce", tensor.dtype, tuple(tensor.shape), reduce_op=name, count=tensor.numel())
+            return Call("all_reduce", tensor.dtype, tuple(tensor.shape), reduce_op=name, count=tensor.numel())
 
         call, rows = self._handshake(prepare)
         if rows is not None:
@@ -374,7 +301,7 @@ class Group(abc.ABC):
         buf = wire.to(kind)
         self._all_reduce(buf, op_name)
         self._finish_reduction(buf, call.reduce_op, wire)
-        _write_back(tensor, _wire.from_wire(wire, tensor.dtype, tuple(tensor.shape)))
+        write_back(tensor, _wire.from_wire(wire, tensor.dtype, tuple(tensor.shape)))
         return tensor
 
     def _wire_reduction(self, dtype: torch.dtype, op: str) -> tuple[str, torch.dtype]:
@@ -399,9 +326,9 @@ class Group(abc.ABC):
             One tensor per rank (views into one buffer), on ``tensor``'s device.
         """
 
-        def prepare() -> _Call:
-            _check_tensor(tensor, "tensor")
-            return _Call("all_gather", tensor.dtype, tuple(tensor.shape), count=_rows_of(tuple(tensor.shape)))
+        def prepare() -> Call:
+            check_tensor(tensor, "tensor")
+            return Call("all_gather", tensor.dtype, tuple(tensor.shape), count=rows_of(tuple(tensor.shape)))
 
         _, rows = self._handshake(prepare, required=True)
         assert rows is not None
@@ -409,11 +336,11 @@ class Group(abc.ABC):
         dims = [rows.count(r) for r in range(self.size)]
         shape = tuple(tensor.shape)
         wire = _wire.to_bytes(tensor, self._wire_device(tensor))
-        per_row = tensor.dtype.itemsize * _prod(shape[1:])
+        per_row = tensor.dtype.itemsize * prod(shape[1:])
         counts = [d * per_row for d in dims]
         out = wire.new_empty(sum(counts))
         self._all_gather(out, wire, counts)
-        return _split_out(out, counts, dims, shape, tensor.dtype, tensor.device)
+        return split_out(out, counts, dims, shape, tensor.dtype, tensor.device)
 
     def reduce_scatter(self, inputs: Sequence[torch.Tensor], op: Any = "sum") -> torch.Tensor:
         """Reduce ``inputs[r]`` across ranks and return the result to rank r.
@@ -427,13 +354,13 @@ class Group(abc.ABC):
             The reduced ``inputs[self.rank]``, on its device.
         """
 
-        def prepare() -> _Call:
-            shape = _check_list(inputs, self.size, "inputs")
+        def prepare() -> Call:
+            shape = check_list(inputs, self.size, "inputs")
             name = _wire.normalize_reduce_op(op)
             _wire.check_reducible(inputs[0].dtype, name)
             self._reduction_dtype(_wire.wire_dtype(inputs[0].dtype))
-            sizes = [_rows_of(tuple(t.shape)) for t in inputs]
-            return _Call("reduce_scatter", inputs[0].dtype, shape, reduce_op=name, splits_a=sizes)
+            sizes = [rows_of(tuple(t.shape)) for t in inputs]
+            return Call("reduce_scatter", inputs[0].dtype, shape, reduce_op=name, splits_a=sizes)
 
         call, rows = self._handshake(prepare)
         if rows is not None:
@@ -461,10 +388,10 @@ class Group(abc.ABC):
             ``out[r]`` is what rank r sent to this rank (views into one buffer).
         """
 
-        def prepare() -> _Call:
-            shape = _check_list(inputs, self.size, "inputs", same_shape=False)
-            sizes = [_rows_of(tuple(t.shape)) for t in inputs]
-            return _Call("all_to_all", inputs[0].dtype, shape, splits_a=sizes)
+        def prepare() -> Call:
+            shape = check_list(inputs, self.size, "inputs")
+            sizes = [rows_of(tuple(t.shape)) for t in inputs]
+            return Call("all_to_all", inputs[0].dtype, shape, splits_a=sizes)
 
         _, rows = self._handshake(prepare, required=True)
         assert rows is not None
@@ -473,11 +400,11 @@ class Group(abc.ABC):
         recv_dims = [rows.splits_a(r)[self.rank] for r in range(self.size)]
         flat = [_wire.to_bytes(t, self._wire_device(t)) for t in inputs]
         inp = torch.cat(flat)
-        per_row = dtype.itemsize * _prod(shape[1:])
+        per_row = dtype.itemsize * prod(shape[1:])
         out_counts = [d * per_row for d in recv_dims]
         out = inp.new_empty(sum(out_counts))
         self._all_to_all(out, out_counts, inp, [t.numel() for t in flat])
-        return _split_out(out, out_counts, recv_dims, shape, dtype, device)
+        return split_out(out, out_counts, recv_dims, shape, dtype, device)
 
     def all_to_all_single(
         self,
@@ -498,16 +425,16 @@ class Group(abc.ABC):
             A new tensor of ``sum(output_split_sizes)`` rows.
         """
 
-        def prepare() -> _Call:
-            _check_tensor(tensor, "tensor")
+        def prepare() -> Call:
+            check_tensor(tensor, "tensor")
             if tensor.dim() == 0:
                 raise ValueError("all_to_all_single needs a tensor with at least one dimension")
             rows_in = tensor.shape[0]
-            ins = _splits(input_split_sizes, rows_in, self.size, "input_split_sizes")
+            ins = check_splits(input_split_sizes, rows_in, self.size, "input_split_sizes")
             outs = list(output_split_sizes) if output_split_sizes is not None else []
             if output_split_sizes is not None:
-                _splits(outs, sum(outs), self.size, "output_split_sizes")
-            return _Call("all_to_all", tensor.dtype, tuple(tensor.shape), count=int(output_split_sizes is not None),
+                check_splits(outs, sum(outs), self.size, "output_split_sizes")
+            return Call("all_to_all", tensor.dtype, tuple(tensor.shape), count=int(output_split_sizes is not None),
                          splits_a=ins, splits_b=outs)
 
         need = not (output_split_sizes is not None and input_split_sizes is not None)
@@ -526,7 +453,7 @@ class Group(abc.ABC):
         else:
             outs = list(call.splits_b)
         shape = tuple(tensor.shape)
-        per_row = tensor.dtype.itemsize * _prod(shape[1:])
+        per_row = tensor.dtype.itemsize * prod(shape[1:])
         wire = _wire.to_bytes(tensor, self._wire_device(tensor))
         out = wire.new_empty(sum(outs) * per_row)
         self._all_to_all(out, [o * per_row for o in outs], wire, [i * per_row for i in ins])
@@ -545,15 +472,15 @@ class Group(abc.ABC):
             device of ``tensors[src]``).
         """
 
-        def prepare() -> _Call:
+        def prepare() -> Call:
             self._check_root(src, "src")
             if self.rank != src:
-                return _Call("scatter", root=src)
+                return Call("scatter", root=src)
             if tensors is None:
                 raise ValueError(f"scatter: rank {src} is the source and must pass one tensor per rank, got None")
-            shape = _check_list(tensors, self.size, "tensors", same_shape=False)
-            sizes = [_rows_of(tuple(t.shape)) for t in tensors]
-            return _Call("scatter", tensors[0].dtype, shape, root=src, splits_a=sizes)
+            shape = check_list(tensors, self.size, "tensors")
+            sizes = [rows_of(tuple(t.shape)) for t in tensors]
+            return Call("scatter", tensors[0].dtype, shape, root=src, splits_a=sizes)
 
         _, rows = self._handshake(prepare, required=True)
         assert rows is not None
@@ -561,7 +488,7 @@ class Group(abc.ABC):
         assert dtype is not None
         ndim, trailing = rows.ndim(src), rows.trailing(src)
         my_rows = rows.splits_a(src)[self.rank]
-        per_row = dtype.itemsize * _prod(trailing)
+        per_row = dtype.itemsize * prod(trailing)
         out_shape = (my_rows, *trailing) if ndim > 0 else ()
         if self.rank == src:
             assert tensors is not None
@@ -585,16 +512,16 @@ class Group(abc.ABC):
             On ``dst``, one tensor per rank (views into one buffer); None elsewhere.
         """
 
-        def prepare() -> _Call:
+        def prepare() -> Call:
             self._check_root(dst, "dst")
-            _check_tensor(tensor, "tensor")
-            return _Call("gather", tensor.dtype, tuple(tensor.shape), root=dst, count=_rows_of(tuple(tensor.shape)))
+            check_tensor(tensor, "tensor")
+            return Call("gather", tensor.dtype, tuple(tensor.shape), root=dst, count=rows_of(tuple(tensor.shape)))
 
         _, rows = self._handshake(prepare, required=True)
         assert rows is not None
         self._check_tensor_rows(rows)
         shape = tuple(tensor.shape)
-        per_row = tensor.dtype.itemsize * _prod(shape[1:])
+        per_row = tensor.dtype.itemsize * prod(shape[1:])
         dims = [rows.count(r) for r in range(self.size)]
         counts = [d * per_row for d in dims]
         wire = _wire.to_bytes(tensor, self._wire_device(tensor))
@@ -602,7 +529,7 @@ class Group(abc.ABC):
         self._gather(out, counts, wire, dst)
         if out is None:
             return None
-        return _split_out(out, counts, dims, shape, tensor.dtype, tensor.device)
+        return split_out(out, counts, dims, shape, tensor.dtype, tensor.device)
 
     def exchange(self, obj: Any) -> list[Any]:
         """All-gather a small JSON-safe object from every rank.
@@ -619,14 +546,15 @@ class Group(abc.ABC):
         """
         payload: list[bytes] = []
 
-        def prepare() -> _Call:
+        def prepare() -> Call:
             payload.append(_wire.encode_json(obj))
-            return _Call("exchange", count=len(payload[0]))
+            return Call("exchange", count=len(payload[0]))
 
         _, rows = self._handshake(prepare, required=True)
         assert rows is not None
         counts = [rows.count(r) for r in range(self.size)]
-        inp = torch.frombuffer(bytearray(payload[0]), dtype=torch.uint8) if counts[self.rank] else torch.empty(0, dtype=torch.uint8)
+        raw = bytearray(payload[0])
+        inp = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
         out = torch.empty(sum(counts), dtype=torch.uint8, device=self._device)
         self._all_gather(out, inp.to(self._device), counts)
         host = out.cpu()
@@ -647,14 +575,14 @@ class Group(abc.ABC):
             ``ranks`` order sorted), None on the other ranks.
         """
 
-        def prepare() -> _Call:
+        def prepare() -> Call:
             members = list(ranks)
             if not members or len(set(members)) != len(members):
                 raise ValueError(f"new_group: ranks must be distinct and non-empty, got {members!r}")
             for r in members:
                 self._check_root(r, "rank")
             mask = [1 if r in members else 0 for r in range(self.size)]
-            return _Call("new_group", splits_a=mask)
+            return Call("new_group", splits_a=mask)
 
         call, rows = self._handshake(prepare)
         if rows is not None:
@@ -662,77 +590,3 @@ class Group(abc.ABC):
         members = [r for r, flag in enumerate(call.splits_a) if flag]
         return self._new_group(members)
 
-
-def _show(value: Any) -> str:
-    if isinstance(value, torch.dtype):
-        return str(value).replace("torch.", "")
-    if value == _NO_TENSOR:
-        return "none"
-    return str(value)
-
-
-def _check_tensor(tensor: Any, name: str) -> None:
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-    _wire.dtype_code(tensor.dtype)
-    if tensor.is_sparse or tensor.layout != torch.strided:
-        raise TypeError(f"{name} has layout {tensor.layout}; collectives take dense (strided) tensors")
-
-
-def _check_list(tensors: Any, size: int, name: str, *, same_shape: bool = False) -> tuple[int, ...]:
-    """Validate one tensor per rank; returns the first tensor's shape."""
-    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence):
-        raise TypeError(f"{name} must be a list of {size} tensors, got {type(tensors).__name__}")
-    if len(tensors) != size:
-        raise ValueError(f"{name} must hold one tensor per rank ({size}), got {len(tensors)}")
-    for i, t in enumerate(tensors):
-        _check_tensor(t, f"{name}[{i}]")
-    first = tensors[0]
-    for i, t in enumerate(tensors):
-        if t.dtype != first.dtype:
-            raise TypeError(f"{name}[{i}] is {t.dtype} but {name}[0] is {first.dtype}; all must share one dtype")
-        if t.dim() != first.dim() or tuple(t.shape[1:]) != tuple(first.shape[1:]):
-            raise ValueError(
-                f"{name}[{i}] has shape {tuple(t.shape)} but {name}[0] has {tuple(first.shape)}; "
-                "only dim 0 may differ"
-            )
-    return tuple(first.shape)
-
-
-def _splits(splits: Optional[Sequence[int]], total: int, size: int, name: str) -> list[int]:
-    if splits is None:
-        if total % size:
-            raise ValueError(f"{name} not given and dim 0 ({total}) does not divide by the group size ({size})")
-        return [total // size] * size
-    values = list(splits)
-    if len(values) != size or any(not isinstance(v, int) or v < 0 for v in values):
-        raise ValueError(f"{name} must be {size} non-negative ints, got {values!r}")
-    if sum(values) != total:
-        raise ValueError(f"{name} {values} sum to {sum(values)}, but dim 0 has {total} rows")
-    return values
-
-
-def _write_back(tensor: torch.Tensor, result: torch.Tensor) -> None:
-    """Copy ``result`` into ``tensor`` unless it already lives in ``tensor``'s memory."""
-    target = tensor.detach()
-    if result.device == target.device and result.untyped_storage().data_ptr() == target.untyped_storage().data_ptr():
-        return
-    target.copy_(result.to(tensor.device))
-
-
-def _split_out(
-    out: torch.Tensor,
-    counts: Sequence[int],
-    dims: Sequence[int],
-    shape: tuple[int, ...],
-    dtype: torch.dtype,
-    device: torch.device,
-) -> list[torch.Tensor]:
-    out = out.to(device)
-    pieces = []
-    offset = 0
-    for n, d in zip(counts, dims):
-        piece_shape = (d, *shape[1:]) if shape else ()
-        pieces.append(_wire.from_bytes(out[offset:offset + n], dtype, piece_shape))
-        offset += n
-    return pieces
