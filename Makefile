@@ -36,9 +36,12 @@ $(STAMP): $(BIN)/python $(INSTALL_INPUTS)
 test: install
 	$(BIN)/tox $(TOX_ARGS)
 
+# Both checkers always run; the target fails if either found something.
 lint: install
-	$(BIN)/ruff check $(LINT_PATHS)
-	$(BIN)/mypy $(MYPY_PATHS)
+	@status=0; \
+	echo "$(BIN)/ruff check $(LINT_PATHS)"; $(BIN)/ruff check $(LINT_PATHS) || status=1; \
+	echo "$(BIN)/mypy $(MYPY_PATHS)"; $(BIN)/mypy $(MYPY_PATHS) || status=1; \
+	exit $$status
 
 # Build and test leftovers; `distclean` also removes the dev venv.
 clean:

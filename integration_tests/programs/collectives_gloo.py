@@ -160,8 +160,8 @@ def check_autograd(group: shardwise.Group) -> None:
         check_equal(f"F.all_to_all_single value (variant {variant})", y.detach(), expected)
         weights = torch.cat([torch.full((outs[s], 2), float(10 * rank + s + 1)) for s in range(size)])
         (weights * y).sum().backward()
-        expected_grad = torch.cat([torch.full((ins[d], 2), float(10 * d + rank + 1)) for d in range(size)])
-        check_equal(f"F.all_to_all_single grad (variant {variant})", x.grad, expected_grad)
+        grad_rows = torch.cat([torch.full((ins[d], 2), float(10 * d + rank + 1)) for d in range(size)])
+        check_equal(f"F.all_to_all_single grad (variant {variant})", x.grad, grad_rows)
 
     # reduce_scatter: rank r receives sum_k input_list_k[r]; its loss weights
     # it by (r + 1), so input_list[i] gets gradient (i + 1) on every rank.

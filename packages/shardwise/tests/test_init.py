@@ -35,7 +35,7 @@ class Fake:
 
 def _fake(name: str, ok: bool = True, **kw: Any) -> Backend:
     avail = Availability(True) if ok else Availability(False, f"{name} has no widgets")
-    return Backend(name=name, is_available=lambda: avail, create_group=lambda l, t: None, **kw)  # type: ignore[arg-type,return-value]
+    return Backend(name=name, is_available=lambda: avail, create_group=lambda launch, timeout: None, **kw)  # type: ignore[arg-type,return-value]
 
 
 def _launch(family: str) -> LaunchInfo:

@@ -16,7 +16,7 @@ from shardwise.errors import BackendNotFoundError, OpNotFoundError, PluginError
 
 
 def _backend(name: str, **kw: Any) -> Backend:
-    return Backend(name=name, is_available=lambda: Availability(True), create_group=lambda l, t: None, **kw)  # type: ignore[arg-type,return-value]
+    return Backend(name=name, is_available=lambda: Availability(True), create_group=lambda launch, timeout: None, **kw)  # type: ignore[arg-type,return-value]
 
 
 class BackendPlugin:
@@ -205,7 +205,7 @@ def test_availability_turns_crashes_into_reasons() -> None:
     def boom() -> Availability:
         raise OSError("driver missing")
 
-    crashing = Backend(name="x", is_available=boom, create_group=lambda l, t: None)  # type: ignore[arg-type,return-value]
+    crashing = Backend(name="x", is_available=boom, create_group=lambda launch, timeout: None)  # type: ignore[arg-type,return-value]
     result = plugins.availability(crashing)
     assert not result and "OSError: driver missing" in result.reason
     with pytest.raises(ValueError, match="needs a reason"):

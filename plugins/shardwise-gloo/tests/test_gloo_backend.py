@@ -61,3 +61,10 @@ def test_automatic_choice_is_gloo_on_cpu(world_size: int) -> None:
     results = run_ranks(auto_init, world_size, backend=None, timeout=120)
     total = world_size * (world_size + 1) // 2
     assert results == [("gloo", "gloo", total)] * world_size
+
+
+def test_plugin_named_twice_is_registered_once() -> None:
+    from shardwise._registry import create_registry
+
+    registry = create_registry({"SHARDWISE_PLUGINS": "shardwise_gloo.plugin"})
+    assert registry.backends["gloo"][1] == "shardwise_gloo.plugin"  # once, under its module name

@@ -143,7 +143,7 @@ class Group(abc.ABC):
         """Send ``in_counts[r]`` elements of ``inp`` to rank r; receive ``out_counts[r]`` from it."""
 
     @abc.abstractmethod
-    def _new_group(self, ranks: Sequence[int]) -> Optional["Group"]:
+    def _new_group(self, ranks: Sequence[int]) -> Optional[Group]:
         """A group of ``ranks`` (sorted ranks of this group); None on non-members."""
 
     def _gather(self, out: Optional[torch.Tensor], counts: Sequence[int], inp: torch.Tensor, dst: int) -> None:
@@ -175,7 +175,7 @@ class Group(abc.ABC):
         """
         return dtype
 
-    def destroy(self) -> None:
+    def destroy(self) -> None:  # noqa: B027 - backends without resources need not override it
         """Release the backend's resources; the group is unusable afterwards."""
 
     # -- handshake -----------------------------------------------------------
@@ -565,7 +565,7 @@ class Group(abc.ABC):
             offset += n
         return results
 
-    def new_group(self, ranks: Sequence[int]) -> Optional["Group"]:
+    def new_group(self, ranks: Sequence[int]) -> Optional[Group]:
         """A sub-group of ``ranks`` (ranks of this group), made collectively.
 
         Every rank of this group must call it with the same ``ranks``.

@@ -177,7 +177,7 @@ def split_out(
     out = out.to(device)
     pieces = []
     offset = 0
-    for n, d in zip(counts, dims):
+    for n, d in zip(counts, dims, strict=True):
         piece_shape = (d, *shape[1:]) if shape else ()
         pieces.append(_wire.from_bytes(out[offset:offset + n], dtype, piece_shape))
         offset += n

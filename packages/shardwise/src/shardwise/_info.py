@@ -58,13 +58,13 @@ def collect() -> dict[str, Any]:
 
 def _table(rows: Sequence[Sequence[str]], indent: str = "  ") -> list[str]:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return [indent + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    return [indent + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
 
 
 def render(info: dict[str, Any]) -> str:
     """Plain-text form of :func:`collect`'s result."""
     lines = [f"shardwise {info['shardwise']} (torch {info['torch']}, python {info['python']})", "", "Plugins:"]
-    rows = [("name", "distribution", "version", "module")]
+    rows: list[tuple[str, ...]] = [("name", "distribution", "version", "module")]
     rows += [(p["name"], p["distribution"] or "-", p["version"] or "-", p["module"]) for p in info["plugins"]]
     lines += _table(rows)
     lines += ["", "Backends:"]

@@ -137,7 +137,7 @@ class Backend:
 
     name: str
     is_available: Callable[[], Availability]
-    create_group: Callable[[LaunchInfo, timedelta], "Group"]
+    create_group: Callable[[LaunchInfo, timedelta], Group]
     devices: tuple[str, ...] = ("cpu",)
     distribution: str = ""
     priority: int = 0

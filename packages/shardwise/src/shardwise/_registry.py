@@ -256,6 +256,9 @@ def _load_entry_points(registry: Registry) -> None:
                 f"import: {type(exc).__name__}: {exc}. Reinstall it, or set "
                 f"{BLOCKED_ENV}={ep.name} to run without it."
             ) from exc
+        if pm.is_registered(plugin):
+            # Already loaded under its module name through SHARDWISE_PLUGINS.
+            continue
         registry.distributions[ep.name] = (dist_name, dist_version)
         pm.register(plugin, name=ep.name)
 

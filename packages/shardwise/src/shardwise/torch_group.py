@@ -194,7 +194,8 @@ def init_torch_process_group(
         store: dist.Store = dist.HashStore()
     else:
         if launch.master_addr is None or launch.master_port is None:
-            missing = [n for n, v in (("MASTER_ADDR", launch.master_addr), ("MASTER_PORT", launch.master_port)) if v is None]
+            given = (("MASTER_ADDR", launch.master_addr), ("MASTER_PORT", launch.master_port))
+            missing = [name for name, value in given if value is None]
             raise LaunchError(
                 f"backend {backend!r} needs a rendezvous address, but the {launch.launcher} launch "
                 f"does not provide {' and '.join(missing)}: {launch.rendezvous_hint}"

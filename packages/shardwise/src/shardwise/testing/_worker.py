@@ -10,6 +10,7 @@ import signal
 import sys
 import traceback
 from pathlib import Path
+from typing import Any
 
 
 def _rank() -> int:
@@ -30,7 +31,7 @@ def main(spec_path: str) -> int:
     try:
         spec = pickle.loads(Path(spec_path).read_bytes())
         sys.path[:] = spec["sys_path"]
-        target = importlib.import_module(spec["module"])
+        target: Any = importlib.import_module(spec["module"])
         for part in spec["qualname"].split("."):
             target = getattr(target, part)
         if spec["backend"] is not None:
