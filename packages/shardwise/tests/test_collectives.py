@@ -154,6 +154,10 @@ def bad_inputs() -> dict[str, tuple[str, str]]:
         "sparse": _attempt(lambda: g.all_reduce(torch.eye(2).to_sparse() if r == 1 else torch.eye(2))),
         "dtype_unsupported": _attempt(lambda: g.all_gather(torch.ones(1, dtype=torch.float8_e4m3fn if r == 0 else torch.float32))),
     }
+    seen["reject"] = _attempt(
+        lambda: g.reject(ValueError("my own check failed")) if r == 1 else g.all_to_all_single(torch.ones(w))
+    )
+    seen["reject_kind"] = _attempt(lambda: g.reject(RuntimeError("x")))  # refused locally, nothing sent
     # The group is still in step after every failure above.
     seen["after"] = ("ok", str(g.all_reduce(torch.ones(1)).item()))
     return seen
@@ -177,6 +181,7 @@ EXPECTED_ONE = {
     "wrong_len": (0, "ValueError", "inputs must hold one tensor per rank (2), got 3"),
     "sparse": (1, "TypeError", "has layout torch.sparse_coo; collectives take dense"),
     "dtype_unsupported": (0, "TypeError", "collectives cannot send torch.float8_e4m3fn tensors"),
+    "reject": (1, "ValueError", "my own check failed"),
 }
 
 
@@ -191,6 +196,7 @@ def test_bad_input_raises_on_every_rank() -> None:
             else:
                 assert seen[case][0] == PeerError.__name__, (rank, case, seen[case])
                 assert f"rank {culprit} ({kind})" in seen[case][1], (rank, case, seen[case])
+        assert seen["reject_kind"] == ("TypeError", "reject() takes a TypeError, ValueError or IndexError, got RuntimeError")
         assert seen["after"] == ("ok", "2.0")
 
 

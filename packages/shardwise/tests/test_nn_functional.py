@@ -23,6 +23,8 @@ import shardwise.nn.functional as F
 from shardwise.errors import CollectiveMismatchError, PeerError
 from shardwise.testing import run_ranks
 
+from conftest import RANK_ENV
+
 WORLD_SIZES = [2, 3]
 GROUP_KINDS = ["None", "Group", "ProcessGroup"]
 DT = torch.float64
@@ -147,18 +149,20 @@ def _check_all_reduce(group: Any, rank: int, world: int) -> None:
         y = F.all_reduce(x, op=op, group=group)
         assert_close(x.detach(), before, msg=f"{op}: input changed")
         assert y.data_ptr() != x.data_ptr()
-        gx = torch.autograd.grad((y**2 * _data(12, rank, shape=(6,))).sum(), x, create_graph=True)[0]
-        gx.pow(2).sum().backward()
+        # With y + y**2, dL/dy is nonzero where y == 0 too, so the second
+        # derivatives at the product's zeros count.
+        gx = torch.autograd.grad(((y + y**2) * _data(12, rank, shape=(6,))).sum(), x, create_graph=True)[0]
+        (gx * _data(13, rank, shape=(6,))).sum().backward()
 
         # The same problem on one process, with every rank's data stacked.
         full = torch.stack([_all_reduce_input(kind, r) for r in range(world)]).requires_grad_()
         y_full = dense(full)
         assert_close(y, y_full, msg=f"{op}: value")
-        loss = sum((y_full**2 * _data(12, q, shape=(6,))).sum() for q in range(world))
+        loss = sum(((y_full + y_full**2) * _data(12, q, shape=(6,))).sum() for q in range(world))
         assert isinstance(loss, torch.Tensor)
         g_full = torch.autograd.grad(loss, full, create_graph=True)[0]
         assert_close(gx, g_full[rank], msg=f"{op}: gradient")
-        g_full.pow(2).sum().backward()
+        (g_full * torch.stack([_data(13, r, shape=(6,)) for r in range(world)])).sum().backward()
         assert full.grad is not None
         assert_close(x.grad, full.grad[rank], msg=f"{op}: second derivative")
 
@@ -199,7 +203,7 @@ def _rank_collectives() -> list[str]:
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_values_and_gradients(world_size: int) -> None:
-    assert run_ranks(_rank_collectives, world_size, backend="gloo", timeout=90) == [GROUP_KINDS] * world_size
+    assert run_ranks(_rank_collectives, world_size, backend="test-gloo", env=RANK_ENV, timeout=90) == [GROUP_KINDS] * world_size
 
 
 # -- bad arguments ----------------------------------------------------------------
@@ -254,7 +258,9 @@ def _rank_bad_arguments() -> str:
     bad = world - 1
 
     def peer_error(exc: type[Exception]) -> Any:
-        return pytest.raises(exc if rank == bad else PeerError)
+        if rank == bad:
+            return pytest.raises(exc)
+        return pytest.raises(PeerError, match=rf"rank {bad} \({exc.__name__}\) rejected its arguments")
 
     with peer_error(ValueError):
         F.all_to_all(outs[:-1] if rank == bad else outs, grad_in)
@@ -274,7 +280,7 @@ def _rank_bad_arguments() -> str:
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_bad_arguments_raise_on_every_rank(world_size: int) -> None:
-    assert run_ranks(_rank_bad_arguments, world_size, backend="gloo", timeout=90) == ["ok"] * world_size
+    assert run_ranks(_rank_bad_arguments, world_size, backend="test-gloo", env=RANK_ENV, timeout=90) == ["ok"] * world_size
 
 
 def test_module_surface() -> None:

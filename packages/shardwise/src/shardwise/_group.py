@@ -23,7 +23,7 @@ from __future__ import annotations
 import abc
 import ctypes
 import os
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, NoReturn, Optional, Sequence
 
 import torch
 
@@ -206,7 +206,12 @@ class Group(abc.ABC):
         rows = Rows(table.view(self.size, width).tolist(), self.size)
         failed = [r for r in range(self.size) if rows.table[r][2] != 0]
         if error is not None:
-            raise error
+            try:
+                raise error
+            finally:
+                # The traceback references this frame; dropping the local
+                # breaks the cycle that would keep the group alive until GC.
+                del error
         if failed:
             kinds = {1: "TypeError", 2: "ValueError", 3: "IndexError"}
             desc = ", ".join(f"rank {r} ({kinds.get(rows.table[r][2], 'error')})" for r in failed)
@@ -564,6 +569,30 @@ class Group(abc.ABC):
             results.append(_wire.decode_json(data[offset:offset + n]))
             offset += n
         return results
+
+    def reject(self, error: Exception) -> NoReturn:
+        """Fail this rank's part of the collective its peers are entering.
+
+        For code that validates its own arguments before calling a
+        collective: instead of raising alone (and leaving the peers waiting
+        in the collective), the rank joins the handshake with a failure, so
+        every peer raises :class:`PeerError` naming this rank, and this rank
+        raises ``error``. No data moves.
+
+        Args:
+            error: A ``TypeError``, ``ValueError`` or ``IndexError``.
+
+        Raises:
+            The given ``error`` on this rank (always).
+        """
+        if not isinstance(error, STATUS_ERRORS):
+            raise TypeError(f"reject() takes a TypeError, ValueError or IndexError, got {type(error).__name__}")
+
+        def prepare() -> Call:
+            raise error
+
+        self._handshake(prepare, required=True)
+        raise AssertionError("unreachable: the handshake re-raises the rejected error")
 
     def new_group(self, ranks: Sequence[int]) -> Optional[Group]:
         """A sub-group of ``ranks`` (ranks of this group), made collectively.

@@ -13,6 +13,7 @@ others).
 
 from __future__ import annotations
 
+import gc
 import os
 import weakref
 from datetime import timedelta
@@ -141,6 +142,10 @@ class TorchGroup(Group):
         return TorchGroup(sub, device=self._device, owns="group", verify=self.verify)
 
     def destroy(self) -> None:
+        # A gloo process group freed by the garbage collector during
+        # interpreter exit aborts the process ("terminate called without an
+        # active exception"); collect stray cycles while torch is whole.
+        gc.collect()
         if self._owns is not None:
             # Tearing gloo down while a peer still finishes its last
             # collective aborts that peer's process at exit; wait for all.
@@ -227,13 +232,15 @@ def init_torch_process_group(
     return TorchGroup(world, device=device, owns="default")
 
 
-_wrapped: MutableMapping[Any, TorchGroup] = weakref.WeakKeyDictionary()
+# Keyed by id: a live TorchGroup holds its process group, so the id cannot
+# be reused while the entry exists, and the entry dies with the wrapper.
+_wrapped: MutableMapping[int, TorchGroup] = weakref.WeakValueDictionary()
 
 
 def wrap_process_group(pg: dist.ProcessGroup) -> TorchGroup:
-    """The (cached) :class:`TorchGroup` over a user's torch process group."""
-    group = _wrapped.get(pg)
-    if group is None:
+    """The :class:`TorchGroup` over a user's torch process group (one per live group)."""
+    group = _wrapped.get(id(pg))
+    if group is None or group.pg is not pg:
         group = TorchGroup(pg)
-        _wrapped[pg] = group
+        _wrapped[id(pg)] = group
     return group
