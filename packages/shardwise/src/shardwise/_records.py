@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
+import torch
+
 if TYPE_CHECKING:
     from shardwise._group import Group
 
@@ -158,12 +160,19 @@ class ShardedOp:
         impl: ``impl(types, args, kwargs, process_group) -> Any``, called by
             ``ShardedTensor.__torch_function__`` in place of ``op``.
         description: One line shown by ``shardwise info``.
+        override: Replace another plugin's implementation of the same op
+            and spec instead of conflicting with it, and win over
+            non-override implementations for more specific specs too. Set by
+            ``custom_sharded_op_impl`` / ``custom_sharding_spec_op`` so
+            user code can deliberately take over an op; two overrides of
+            the same op and spec still conflict.
     """
 
     op: Callable[..., Any]
     spec: type
     impl: Callable[..., Any]
     description: str = ""
+    override: bool = False
 
     @property
     def op_name(self) -> str:
@@ -177,6 +186,14 @@ def qualified_name(obj: Any) -> str:
     Prefers the public name a module exposes the object under, so
     ``torch.add`` reads as such rather than as its C binding's qualname.
     """
+    if getattr(obj, "__objclass__", None) is torch._C.TensorBase:
+        return f"torch.Tensor.{obj.__name__}"
+    descriptor = getattr(obj, "__self__", None)
+    if getattr(descriptor, "__objclass__", None) is torch._C.TensorBase:
+        # An attribute getter/setter: torch.Tensor.shape.__get__
+        return f"torch.Tensor.{descriptor.__name__}.{obj.__name__}"
+    if getattr(obj, "__module__", None) == "torch._tensor" and getattr(obj, "__qualname__", "").startswith("Tensor."):
+        return f"torch.{obj.__qualname__}"
     module = getattr(obj, "__module__", None) or ""
     name = getattr(obj, "__name__", None)
     if module and name and getattr(sys.modules.get(module), name, None) is obj:

@@ -27,7 +27,7 @@ PLUGINS_ENV = "SHARDWISE_PLUGINS"
 
 #: The core's own plugins, registered through the same hooks as any other
 #: plugin (and blockable by the same names).
-DEFAULT_PLUGINS: tuple[str, ...] = ("shardwise._launchers",)
+DEFAULT_PLUGINS: tuple[str, ...] = ("shardwise._launchers", "shardwise._core_ops", "shardwise._custom_ops")
 
 #: Which distribution to install for names users commonly ask for.
 KNOWN_BACKEND_DISTRIBUTIONS: Mapping[str, str] = {
@@ -78,7 +78,7 @@ class Registry:
         self.distributions: dict[str, tuple[str, str]] = {}
         self._lock = threading.RLock()
         self._backends: Optional[dict[str, tuple[Backend, str]]] = None
-        self._ops: Optional[dict[Any, dict[type, tuple[ShardedOp, str]]]] = None
+        self._ops: Optional[dict[Any, dict[tuple[type, bool], tuple[ShardedOp, str]]]] = None
         self._launchers: Optional[list[tuple[Launcher, str]]] = None
         self._op_cache: dict[tuple[Any, type], ShardedOp] = {}
 
@@ -132,10 +132,10 @@ class Registry:
             return self._backends
 
     @property
-    def ops(self) -> dict[Any, dict[type, tuple[ShardedOp, str]]]:
+    def ops(self) -> dict[Any, dict[tuple[type, bool], tuple[ShardedOp, str]]]:
         with self._lock:
             if self._ops is None:
-                table: dict[Any, dict[type, tuple[ShardedOp, str]]] = {}
+                table: dict[Any, dict[tuple[type, bool], tuple[ShardedOp, str]]] = {}
                 for record, plugin in self._collect("shardwise_sharded_ops", ShardedOp):
                     if not isinstance(record.spec, type):
                         raise PluginError(
@@ -143,13 +143,15 @@ class Registry:
                             f"spec {record.spec!r}; spec must be a class"
                         )
                     by_spec = table.setdefault(record.op, {})
-                    if record.spec in by_spec:
+                    key = (record.spec, record.override)
+                    if key in by_spec:
+                        kind = "override " if record.override else ""
                         raise PluginError(
-                            f"op {record.op_name} for {record.spec.__name__} is "
-                            f"implemented by two plugins: {by_spec[record.spec][1]!r} "
+                            f"{kind}op {record.op_name} for {record.spec.__name__} is "
+                            f"implemented by two plugins: {by_spec[key][1]!r} "
                             f"and {plugin!r}. Block one with {BLOCKED_ENV}=<plugin name>."
                         )
-                    by_spec[record.spec] = (record, plugin)
+                    by_spec[key] = (record, plugin)
                 self._ops = table
             return self._ops
 
@@ -193,16 +195,20 @@ class Registry:
         if cached is not None:
             return cached
         by_spec = self.ops.get(op, {})
-        for klass in spec_cls.__mro__:
-            if klass in by_spec:
-                self._op_cache[key] = by_spec[klass][0]
-                return by_spec[klass][0]
+        # Overrides (user code taking an op over) beat plugin implementations
+        # whatever their spec; within each kind the most specific spec wins.
+        for override in (True, False):
+            for klass in spec_cls.__mro__:
+                found = by_spec.get((klass, override))
+                if found is not None:
+                    self._op_cache[key] = found[0]
+                    return found[0]
         return None
 
     def op_not_found(self, op: Any, spec: Any) -> OpNotFoundError:
         spec_cls = spec if isinstance(spec, type) else type(spec)
         name = qualified_name(op)
-        registered = sorted(s.__name__ for s in self.ops.get(op, {}))
+        registered = sorted({s.__name__ for s, _ in self.ops.get(op, {})})
         msg = f"no sharded implementation of {name} for {spec_cls.__name__}"
         if registered:
             msg += f"; it is implemented for: {', '.join(registered)}"

@@ -36,8 +36,12 @@ class BackendUnavailableError(ShardwiseError, RuntimeError):
     """The backend is installed but cannot run here (no CUDA, no MPI)."""
 
 
-class OpNotFoundError(ShardwiseError, LookupError):
-    """No plugin implements an op for the given sharding spec."""
+class OpNotFoundError(ShardwiseError, LookupError, NotImplementedError):
+    """No plugin implements an op for the given sharding spec.
+
+    Also a ``NotImplementedError`` (hence a ``RuntimeError``), which is what
+    torch 2.13's ShardedTensor raised for an unsupported op.
+    """
 
 
 class LaunchError(ShardwiseError, RuntimeError):

@@ -87,7 +87,11 @@ def shardwise_sharded_ops() -> Iterable[ShardedOp]:
     Called once per plugin manager, by the registry, the first time an op
     is looked up (``ShardedTensor.__torch_function__``,
     :func:`shardwise.plugins.find_op`, ``shardwise info``). Two plugins
-    declaring the same ``(op, spec)`` pair is an error naming both.
+    declaring the same ``(op, spec)`` pair is an error naming both, unless
+    exactly one record sets ``override=True`` (user code taking the op
+    over; ``custom_sharded_op_impl`` does this). Lookups walk the spec's
+    MRO, so the core's generic ops, declared for ``ShardingSpec``, serve
+    every spec a plugin does not handle more specifically.
 
     Returns:
         An iterable of :class:`~shardwise.ShardedOp` records.

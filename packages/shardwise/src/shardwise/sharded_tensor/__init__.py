@@ -1,0 +1,30 @@
+"""``ShardedTensor`` and its creation functions.
+
+Names follow ``torch.distributed._shard.sharded_tensor`` (torch 2.13).
+"""
+
+from __future__ import annotations
+
+from shardwise._custom_ops import custom_sharded_op_impl
+from shardwise._metadata import ShardedTensorMetadata, ShardMetadata, TensorProperties
+from shardwise.sharded_tensor._api import ShardedTensor, ShardedTensorBase
+from shardwise.sharded_tensor._creation import empty, full, ones, rand, randn, zeros
+from shardwise.sharded_tensor._from_shards import init_from_local_shards
+from shardwise.sharded_tensor._shard import Shard
+
+__all__ = [
+    "Shard",
+    "ShardMetadata",
+    "ShardedTensor",
+    "ShardedTensorBase",
+    "ShardedTensorMetadata",
+    "TensorProperties",
+    "custom_sharded_op_impl",
+    "empty",
+    "full",
+    "init_from_local_shards",
+    "ones",
+    "rand",
+    "randn",
+    "zeros",
+]

@@ -1,0 +1,458 @@
+"""``ShardedTensor``: a ``torch.Tensor`` wrapper whose data lives in shards on many ranks."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence, Union
+
+import torch
+from torch.utils import _pytree as pytree
+
+from shardwise._metadata import (
+    ShardedTensorMetadata,
+    ShardMetadata,
+    TensorProperties,
+    check_covering,
+    validate_non_overlapping,
+)
+from shardwise.sharded_tensor._shard import Shard
+from shardwise.sharding_spec import ShardingSpec
+from shardwise.sharding_spec._api import infer_sharding_spec
+
+__all__ = ["ShardedTensor", "flatten_size", "validate_placements"]
+
+
+def flatten_size(size: Sequence[Any]) -> torch.Size:
+    """``(2, 3)``, ``((2, 3),)`` or ``(torch.Size([2, 3]),)`` -> ``torch.Size([2, 3])``."""
+    if len(size) == 1 and isinstance(size[0], (list, tuple, torch.Size)):
+        size = tuple(size[0])
+    out = []
+    for s in size:
+        if isinstance(s, bool) or not isinstance(s, int):
+            raise TypeError(f"size must be a sequence of ints, got {tuple(size)!r}")
+        if s < 0:
+            raise ValueError(f"size must not be negative, got {tuple(size)!r}")
+        out.append(int(s))
+    return torch.Size(out)
+
+
+def validate_placements(shards: Sequence[ShardMetadata], group_size: int) -> None:
+    """Raise unless every shard is placed on a rank of a group of ``group_size``.
+
+    Raises:
+        ValueError: a shard has no placement or names a rank outside the
+            group (naming the shard).
+    """
+    for i, shard in enumerate(shards):
+        if shard.placement is None:
+            raise ValueError(f"shard {i} ({shard.describe()}) has no placement; give it 'rank:R/DEVICE'")
+        if shard.placement.rank() >= group_size:
+            raise ValueError(
+                f"shard {i} ({shard.describe()}) is placed on rank {shard.placement.rank()}, "
+                f"but the group has {group_size} rank(s) (0..{group_size - 1})"
+            )
+
+
+def _local_device(shards: Sequence[ShardMetadata], rank: int) -> torch.device:
+    for shard in shards:
+        if shard.placement is not None and shard.placement.rank() == rank:
+            return shard.placement.device()
+    return torch.device("cpu")
+
+
+class ShardedTensor(torch.Tensor):
+    """A tensor cut into shards that live on the ranks of a process group.
+
+    Every rank holds a ``ShardedTensor`` object with the global metadata
+    (:meth:`metadata`: every shard's box and placement) and the data of its
+    own shards (:meth:`local_shards`). Torch functions called on it are
+    looked up in the sharded-op registry (fed by the
+    ``shardwise_sharded_ops`` hook); an op nobody implements raises
+    :class:`~shardwise.errors.OpNotFoundError`.
+
+    Autograd works on the local shards: an op's result holds local tensors
+    that are functions of the inputs' local tensors, so ``backward`` on
+    them fills ``shard.tensor.grad`` of the inputs' shards.
+
+    Construct with ``ShardedTensor(spec, *size, dtype=..., process_group=...)``
+    (uninitialised local shards), the creation functions (:func:`zeros`,
+    :func:`rand`, ...), :func:`~shardwise.shard_tensor`, or
+    :func:`init_from_local_shards`.
+
+    Args:
+        sharding_spec: How to cut the tensor.
+        *size: The size of the whole tensor.
+        dtype: Element type (default ``torch.get_default_dtype()``).
+        layout: Only ``torch.strided``.
+        requires_grad: Whether local shards require grad.
+        pin_memory: Pin CPU shards.
+        memory_format: Only ``torch.contiguous_format``.
+        process_group: Group, torch ProcessGroup or None (default group).
+        init_rrefs: Accepted for torch compatibility; must be False (RPC is
+            not supported).
+    """
+
+    _sharding_spec: ShardingSpec
+    _metadata: ShardedTensorMetadata
+    _local_shards: list[Shard]
+    _process_group: Any
+    _init_rrefs: bool
+
+    @staticmethod
+    def __new__(
+        cls,
+        sharding_spec: ShardingSpec,
+        *size: Any,
+        dtype: Optional[torch.dtype] = None,
+        layout: torch.layout = torch.strided,
+        requires_grad: bool = False,
+        pin_memory: bool = False,
+        memory_format: torch.memory_format = torch.contiguous_format,
+        process_group: Any = None,
+        init_rrefs: bool = False,
+    ) -> ShardedTensor:
+        from shardwise._runtime import resolve_group
+
+        if not isinstance(sharding_spec, ShardingSpec):
+            raise TypeError(f"expected a ShardingSpec, got {type(sharding_spec).__name__}")
+        if layout != torch.strided:
+            raise ValueError(f"only torch.strided layout is supported, got {layout}")
+        if memory_format != torch.contiguous_format:
+            raise ValueError(f"only torch.contiguous_format is supported, got {memory_format}")
+        _check_no_rrefs(init_rrefs)
+        group = resolve_group(process_group)
+        props = TensorProperties(
+            dtype=dtype if dtype is not None else torch.get_default_dtype(),
+            layout=layout,
+            requires_grad=requires_grad,
+            memory_format=memory_format,
+            pin_memory=pin_memory,
+        )
+        metadata = sharding_spec.build_metadata(flatten_size(size), props)
+        validate_placements(metadata.shards_metadata, group.size)
+        local = []
+        for shard_md in metadata.shards_metadata:
+            assert shard_md.placement is not None
+            if shard_md.placement.rank() == group.rank:
+                tensor = torch.empty(
+                    shard_md.shard_sizes,
+                    dtype=props.dtype,
+                    device=shard_md.placement.device(),
+                    requires_grad=requires_grad,
+                    pin_memory=pin_memory,
+                )
+                local.append(Shard(tensor, shard_md))
+        return cls._create(sharding_spec, metadata, local, group)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # All work happens in __new__; torch.Tensor.__init__ takes no arguments.
+        pass
+
+    @classmethod
+    def _create(
+        cls,
+        spec: ShardingSpec,
+        metadata: ShardedTensorMetadata,
+        local_shards: list[Shard],
+        group: Any,
+    ) -> ShardedTensor:
+        """The wrapper itself: no validation, no communication."""
+        props = metadata.tensor_properties
+        if local_shards:
+            device = local_shards[0].tensor.device
+        else:
+            device = _local_device(metadata.shards_metadata, group.rank)
+        r = torch.Tensor._make_wrapper_subclass(
+            cls,
+            metadata.size,
+            dtype=props.dtype,
+            layout=props.layout,
+            device=device,
+            requires_grad=props.requires_grad,
+        )
+        r._sharding_spec = spec
+        r._metadata = metadata
+        r._local_shards = local_shards
+        r._process_group = group
+        r._init_rrefs = False
+        return r
+
+    # -- construction from shards ------------------------------------------
+    @classmethod
+    def _init_from_local_shards_and_global_metadata(
+        cls,
+        local_shards: list[Shard],
+        sharded_tensor_metadata: ShardedTensorMetadata,
+        process_group: Any = None,
+        init_rrefs: bool = False,
+        sharding_spec: Optional[ShardingSpec] = None,
+    ) -> ShardedTensor:
+        """Build from this rank's shards and the global metadata, without communication.
+
+        Every rank must pass the same metadata; only local facts are checked
+        (shards match their metadata entries, placements, no overlap,
+        covering).
+
+        Args:
+            local_shards: This rank's shards.
+            sharded_tensor_metadata: Global metadata, the same on every rank.
+            process_group: Group, torch ProcessGroup or None.
+            init_rrefs: Must be False.
+            sharding_spec: The spec; inferred from the metadata when None.
+
+        Raises:
+            ValueError: the metadata is invalid or the local shards do not
+                match this rank's entries.
+        """
+        from shardwise._runtime import resolve_group
+
+        _check_no_rrefs(init_rrefs)
+        group = resolve_group(process_group)
+        shards_md = sharded_tensor_metadata.shards_metadata
+        props = sharded_tensor_metadata.tensor_properties
+        if not shards_md:
+            raise ValueError("shards_metadata must not be empty")
+        if props.layout != torch.strided:
+            raise ValueError(f"only torch.strided layout is supported, got {props.layout}")
+        validate_placements(shards_md, group.size)
+        validate_non_overlapping(shards_md)
+        check_covering(shards_md, list(sharded_tensor_metadata.size))
+        mine = [md for md in shards_md if md.placement is not None and md.placement.rank() == group.rank]
+        unmatched = list(mine)
+        for shard in local_shards:
+            if not isinstance(shard, Shard):
+                raise TypeError(f"local_shards must hold Shard objects, got {type(shard).__name__}")
+            if shard.metadata not in unmatched:
+                raise ValueError(
+                    f"local shard ({shard.metadata.describe()}) on rank {group.rank} is not in the global "
+                    f"metadata's shards for this rank: {[md.describe() for md in mine]}"
+                )
+            unmatched.remove(shard.metadata)
+            _check_properties(shard.tensor, props, f"local shard ({shard.metadata.describe()})")
+        if unmatched:
+            raise ValueError(
+                f"rank {group.rank} has no local shard for {[md.describe() for md in unmatched]} "
+                "listed in the global metadata"
+            )
+        spec = sharding_spec if sharding_spec is not None else infer_sharding_spec(shards_md)
+        return cls._create(spec, sharded_tensor_metadata, list(local_shards), group)
+
+    @classmethod
+    def _init_from_local_shards(
+        cls,
+        local_shards: list[Shard],
+        *global_size: Any,
+        process_group: Any = None,
+        init_rrefs: bool = False,
+    ) -> ShardedTensor:
+        """See :func:`shardwise.sharded_tensor.init_from_local_shards`."""
+        from shardwise.sharded_tensor._from_shards import init_from_local_shards
+
+        return init_from_local_shards(local_shards, *global_size, process_group=process_group, init_rrefs=init_rrefs)
+
+    @classmethod
+    def _init_from_local_tensor(
+        cls,
+        local_tensor: torch.Tensor,
+        sharding_spec: ShardingSpec,
+        *global_size: Any,
+        process_group: Any = None,
+        init_rrefs: bool = False,
+    ) -> ShardedTensor:
+        """Build from this rank's single shard as a plain tensor, without communication.
+
+        ``sharding_spec`` must place exactly one shard on each rank that
+        passes a non-empty tensor; ranks with no shard pass an empty one.
+
+        Raises:
+            ValueError: the tensor does not match this rank's shard, or the
+                spec places several shards on this rank.
+        """
+        from shardwise._runtime import resolve_group
+
+        _check_no_rrefs(init_rrefs)
+        group = resolve_group(process_group)
+        if not isinstance(local_tensor, torch.Tensor):
+            raise TypeError(f"local_tensor must be a torch.Tensor, got {type(local_tensor).__name__}")
+        if not local_tensor.is_contiguous():
+            raise ValueError("local_tensor is not contiguous; call .contiguous() first")
+        props = TensorProperties.create_from_tensor(local_tensor)
+        metadata = sharding_spec.build_metadata(flatten_size(global_size), props)
+        validate_placements(metadata.shards_metadata, group.size)
+        mine = [md for md in metadata.shards_metadata if md.placement is not None and md.placement.rank() == group.rank]
+        if len(mine) > 1:
+            raise ValueError(
+                f"the spec places {len(mine)} shards on rank {group.rank}; _init_from_local_tensor takes one "
+                "tensor per rank (use init_from_local_shards)"
+            )
+        local: list[Shard] = []
+        if mine:
+            local.append(Shard(local_tensor, mine[0]))
+        elif local_tensor.numel() != 0:
+            raise ValueError(
+                f"the spec places no shard on rank {group.rank}, but it passed a tensor of size "
+                f"{list(local_tensor.size())}"
+            )
+        return cls._create(sharding_spec, metadata, local, group)
+
+    # -- accessors ---------------------------------------------------------
+    def metadata(self) -> ShardedTensorMetadata:
+        """Global metadata: every shard's box and placement, the size, the properties."""
+        return self._metadata
+
+    def local_shards(self) -> list[Shard]:
+        """This rank's shards (empty when it holds none)."""
+        return self._local_shards
+
+    def sharding_spec(self) -> ShardingSpec:
+        """The spec the tensor is sharded by."""
+        return self._sharding_spec
+
+    def local_tensor(self) -> torch.Tensor:
+        """This rank's one shard as a tensor.
+
+        Raises:
+            NotImplementedError: this rank holds no shard or several (the
+                message says how many; use :meth:`local_shards`).
+        """
+        n = len(self._local_shards)
+        if n != 1:
+            raise NotImplementedError(
+                f"local_tensor() needs exactly one local shard, but rank {self._process_group.rank} holds {n}; "
+                "use local_shards()"
+            )
+        return self._local_shards[0].tensor
+
+    def size(self, dim: Optional[int] = None) -> Any:  # type: ignore[override]
+        """Size of the whole tensor, or of dimension ``dim``."""
+        size = self._metadata.size
+        if dim is None:
+            return size
+        ndim = len(size)
+        if not -ndim <= dim < ndim:
+            raise IndexError(f"dimension {dim} out of range for a tensor of {ndim} dimensions")
+        return size[dim]
+
+    def dim(self) -> int:  # type: ignore[override]
+        """Number of dimensions of the whole tensor."""
+        return len(self._metadata.size)
+
+    ndimension = dim
+
+    def is_pinned(self) -> bool:  # type: ignore[override]
+        """Whether the local shards are in pinned memory."""
+        return self._metadata.tensor_properties.pin_memory
+
+    @property
+    def process_group(self) -> Any:
+        """The shardwise :class:`~shardwise.Group` the tensor lives in."""
+        return self._process_group
+
+    # -- data movement -----------------------------------------------------
+    def reshard(self, resharding_spec: ShardingSpec) -> ShardedTensor:
+        """Re-cut the tensor by ``resharding_spec`` in place, and return it.
+
+        Any spec to any spec: one exchange computed from the intersections
+        of old and new shards, so each element crosses the wire at most once
+        and no rank ever holds the whole tensor. Every rank calls it with
+        the same spec (checked: a mismatch is a ValueError on every rank).
+        """
+        from shardwise._exchange import reshard
+
+        return reshard(self, resharding_spec)
+
+    def gather(  # type: ignore[override]
+        self,
+        dst: int = 0,
+        out: Optional[torch.Tensor] = None,
+        enforce_dtype: bool = False,
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        """Assemble the whole tensor into ``out`` on rank ``dst``.
+
+        Args:
+            dst: Rank of the group that receives the tensor.
+            out: On ``dst``, a tensor of the full size; None elsewhere.
+            enforce_dtype: Cast shards to ``dtype`` (or ``out``'s dtype)
+                before sending, as torch 2.13 does.
+            dtype: The dtype ``enforce_dtype`` casts to.
+        """
+        from shardwise._exchange import gather
+
+        gather(self, dst, out, enforce_dtype=enforce_dtype, dtype=dtype)
+
+    def full_tensor(self) -> torch.Tensor:
+        """The whole tensor, on every rank."""
+        from shardwise._exchange import full_tensor
+
+        return full_tensor(self)
+
+    # -- torch integration -------------------------------------------------
+    @classmethod
+    def __torch_function__(
+        cls, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Optional[dict[str, Any]] = None
+    ) -> Any:
+        from shardwise._registry import get_registry
+
+        kwargs = kwargs or {}
+        found: list[ShardedTensor] = []
+
+        def visit(x: Any) -> None:
+            if not found and isinstance(x, ShardedTensor):
+                found.append(x)
+
+        pytree.tree_map_(visit, args)
+        pytree.tree_map_(visit, kwargs)
+        if not found:
+            raise TypeError(f"{func} dispatched to ShardedTensor without a ShardedTensor argument")
+        st = found[0]
+        registry = get_registry()
+        record = registry.find_op(func, st._sharding_spec)
+        if record is None:
+            raise registry.op_not_found(func, st._sharding_spec)
+        return record.impl(types, args, kwargs, st._process_group)
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
+        raise RuntimeError(
+            f"{func} reached ShardedTensor below __torch_function__ (from C++ or autograd on the wrapper); "
+            "ShardedTensor only supports ops with a sharded implementation"
+        )
+
+    def __hash__(self) -> int:
+        return id(self)
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return (
+            f"ShardedTensor(size={list(self._metadata.size)}, dtype={self._metadata.tensor_properties.dtype}, "
+            f"spec={self._sharding_spec!r}, local_shards={len(self._local_shards)})"
+        )
+
+    def __getstate__(self) -> Any:
+        from shardwise._load_context import sharded_tensor_state
+
+        return sharded_tensor_state(self)
+
+    def __setstate__(self, state: Any) -> None:
+        from shardwise._load_context import restore_sharded_tensor
+
+        restore_sharded_tensor(self, state)
+
+
+def _check_no_rrefs(init_rrefs: bool) -> None:
+    if init_rrefs:
+        raise NotImplementedError("init_rrefs=True (torch RPC remote shards) is not supported by shardwise")
+
+
+def _check_properties(tensor: torch.Tensor, props: TensorProperties, what: str) -> None:
+    if tensor.dtype != props.dtype:
+        raise ValueError(f"{what} has dtype {tensor.dtype}, the metadata says {props.dtype}")
+    if tensor.layout != props.layout:
+        raise ValueError(f"{what} has layout {tensor.layout}, the metadata says {props.layout}")
+    if tensor.requires_grad != props.requires_grad:
+        raise ValueError(f"{what} has requires_grad={tensor.requires_grad}, the metadata says {props.requires_grad}")
+    if not tensor.is_contiguous():
+        raise ValueError(f"{what} is not contiguous")
+
+
+ShardedTensorBase = ShardedTensor
+TensorLike = Union[torch.Tensor, ShardedTensor]

@@ -1,0 +1,274 @@
+"""Sharding specs: how a tensor is cut into shards and where each shard lives."""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
+
+import torch
+
+from shardwise._metadata import (
+    Placement,
+    ShardedTensorMetadata,
+    ShardMetadata,
+    TensorProperties,
+    check_covering,
+    validate_non_overlapping,
+)
+from shardwise._records import qualified_name
+
+if TYPE_CHECKING:
+    from shardwise.sharded_tensor import ShardedTensor
+
+__all__ = [
+    "ChunkShardingSpec",
+    "DevicePlacementSpec",
+    "EnumerableShardingSpec",
+    "PlacementSpec",
+    "ShardingSpec",
+    "chunk_sizes",
+    "infer_sharding_spec",
+    "spec_from_dict",
+]
+
+
+class PlacementSpec(ABC):  # noqa: B024 - a marker base, as in torch
+    """Base class for specs that say where a whole tensor (or shard) lives."""
+
+
+@dataclass(frozen=True)
+class DevicePlacementSpec(PlacementSpec):
+    """Place a whole tensor on one rank and device.
+
+    Args:
+        device: ``rank:R/DEVICE`` string or :class:`Placement`.
+    """
+
+    device: Placement
+
+    def __init__(self, device: Union[str, Placement, Any]) -> None:
+        object.__setattr__(self, "device", Placement(device))
+
+
+class ShardingSpec(ABC):
+    """How a tensor is cut into shards and where the shards live.
+
+    Subclasses implement :meth:`build_metadata`. Specs compare and hash by
+    value, and :meth:`to_dict` gives a JSON-safe form that ranks exchange
+    to check that they agree.
+    """
+
+    @abstractmethod
+    def build_metadata(
+        self, tensor_sizes: Sequence[int], tensor_properties: TensorProperties
+    ) -> ShardedTensorMetadata:
+        """The metadata of a tensor of ``tensor_sizes`` sharded by this spec.
+
+        Raises:
+            ValueError: the spec cannot shard a tensor of that size.
+        """
+
+    def shard(self, tensor: torch.Tensor, src_rank: int = 0, process_group: Any = None) -> ShardedTensor:
+        """Shard ``tensor`` (held by ``src_rank``) across the group by this spec.
+
+        Every rank calls it; only ``src_rank``'s ``tensor`` is read, the
+        others need only pass a tensor of the same size and dtype. Each
+        element crosses the wire once, straight to the rank that owns it.
+
+        Args:
+            tensor: The whole tensor (on ``src_rank``).
+            src_rank: Rank of the group whose ``tensor`` is the truth.
+            process_group: Group, torch ProcessGroup or None (default).
+
+        Returns:
+            The :class:`~shardwise.sharded_tensor.ShardedTensor`.
+        """
+        from shardwise._scatter import scatter_tensor
+
+        return scatter_tensor(tensor, self, src_rank, process_group)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe form; a spec of another class is described by its repr."""
+        return {"type": qualified_name(type(self)), "repr": repr(self)}
+
+
+def chunk_sizes(dim_size: int, chunks: int) -> list[int]:
+    """Sizes of ``chunks`` pieces of ``dim_size`` as ``torch.chunk`` cuts them.
+
+    Trailing pieces may be empty: ``chunk_sizes(10, 4) == [3, 3, 3, 1]``,
+    ``chunk_sizes(3, 4) == [1, 1, 1, 0]``, ``chunk_sizes(5, 4) == [2, 2, 1, 0]``.
+    """
+    if chunks <= 0:
+        raise ValueError(f"chunks must be positive, got {chunks}")
+    split = math.ceil(dim_size / chunks) if dim_size else 0
+    return [max(min(dim_size, split * (i + 1)) - split * i, 0) for i in range(chunks)]
+
+
+def _placements(values: Sequence[Any]) -> tuple[Placement, ...]:
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise TypeError(f"placements must be a list of 'rank:R/DEVICE' strings, got {values!r}")
+    return tuple(Placement(v) for v in values)
+
+
+@dataclass(frozen=True)
+class ChunkShardingSpec(ShardingSpec):
+    """Shard along one dimension into ``torch.chunk``-sized pieces.
+
+    Piece ``i`` goes to ``placements[i]``, so ``len(placements)`` pieces are
+    made; when the dimension is shorter than that, trailing pieces are empty.
+
+    Args:
+        dim: The dimension to shard (negative counts from the end).
+        placements: ``rank:R/DEVICE`` strings or :class:`Placement` objects.
+
+    Raises:
+        NotImplementedError: ``dim`` is a name (named dimensions are not
+            supported).
+        TypeError: ``dim`` is not an int, or placements is not a list.
+        ValueError: a placement is malformed or the list is empty.
+    """
+
+    dim: int
+    placements: tuple[Placement, ...]
+
+    def __init__(self, dim: Union[int, str], placements: Sequence[Union[str, Placement, Any]]) -> None:
+        if isinstance(dim, str):
+            raise NotImplementedError(f"ChunkShardingSpec does not support named dimensions (dim={dim!r})")
+        if isinstance(dim, bool) or not isinstance(dim, int):
+            raise TypeError(f"ChunkShardingSpec dim must be an int, got {dim!r}")
+        placed = _placements(placements)
+        if not placed:
+            raise ValueError("ChunkShardingSpec needs at least one placement")
+        object.__setattr__(self, "dim", dim)
+        object.__setattr__(self, "placements", placed)
+
+    def build_metadata(
+        self, tensor_sizes: Sequence[int], tensor_properties: Optional[TensorProperties] = None
+    ) -> ShardedTensorMetadata:
+        sizes = [int(s) for s in tensor_sizes]
+        ndim = len(sizes)
+        if not -ndim <= self.dim < ndim:
+            raise ValueError(f"cannot shard dim {self.dim} of a tensor of size {sizes} ({ndim} dimensions)")
+        dim = self.dim % ndim
+        shards = []
+        offset = 0
+        for placement, length in zip(self.placements, chunk_sizes(sizes[dim], len(self.placements))):
+            offsets = [0] * ndim
+            offsets[dim] = offset
+            shard_sizes = list(sizes)
+            shard_sizes[dim] = length
+            shards.append(ShardMetadata(offsets, shard_sizes, placement))
+            offset += length
+        return ShardedTensorMetadata(shards, torch.Size(sizes), tensor_properties or TensorProperties())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": "chunk", "dim": self.dim, "placements": [str(p) for p in self.placements]}
+
+
+class EnumerableShardingSpec(ShardingSpec):
+    """Shards listed explicitly (grids, uneven blocks), one :class:`ShardMetadata` each.
+
+    Args:
+        shards: The shards; they must not overlap and must all have the same
+            number of dimensions. Whether they cover a tensor is checked when
+            metadata is built for its size.
+
+    Raises:
+        ValueError: the list is empty, shards differ in rank, or two overlap
+            (the message names both).
+    """
+
+    def __init__(self, shards: Sequence[ShardMetadata]) -> None:
+        shards = list(shards)
+        if not shards:
+            raise ValueError("EnumerableShardingSpec needs at least one shard")
+        for i, shard in enumerate(shards):
+            if not isinstance(shard, ShardMetadata):
+                raise TypeError(f"shard {i} must be a ShardMetadata, got {type(shard).__name__}")
+        ndim = len(shards[0].shard_offsets)
+        for i, shard in enumerate(shards):
+            if len(shard.shard_offsets) != ndim:
+                raise ValueError(
+                    f"all shards must have the same number of dimensions: shard 0 ({shards[0].describe()}) "
+                    f"has {ndim}, shard {i} ({shard.describe()}) has {len(shard.shard_offsets)}"
+                )
+        validate_non_overlapping(shards)
+        self.shards = shards
+
+    def build_metadata(
+        self, tensor_sizes: Sequence[int], tensor_properties: Optional[TensorProperties] = None
+    ) -> ShardedTensorMetadata:
+        check_covering(self.shards, list(tensor_sizes))
+        return ShardedTensorMetadata(
+            [ShardMetadata(s.shard_offsets, s.shard_sizes, s.placement) for s in self.shards],
+            torch.Size(tensor_sizes),
+            tensor_properties or TensorProperties(),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": "enumerable", "shards": [s.to_dict() for s in self.shards]}
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, EnumerableShardingSpec):
+            return NotImplemented
+        return self.shards == other.shards
+
+    def __hash__(self) -> int:
+        return hash(tuple(self.shards))
+
+    def __repr__(self) -> str:
+        return f"EnumerableShardingSpec(shards={self.shards!r})"
+
+
+def spec_from_dict(data: dict[str, Any]) -> ShardingSpec:
+    """Rebuild a built-in spec from :meth:`ShardingSpec.to_dict`.
+
+    Raises:
+        ValueError: the dict describes a spec class this function cannot
+            rebuild (a user-defined one).
+    """
+    kind = data.get("type")
+    if kind == "chunk":
+        return ChunkShardingSpec(data["dim"], data["placements"])
+    if kind == "enumerable":
+        return EnumerableShardingSpec([ShardMetadata.from_dict(s) for s in data["shards"]])
+    raise ValueError(f"cannot rebuild a sharding spec of type {kind!r} from a dict")
+
+
+def infer_sharding_spec(shards_metadata: Sequence[ShardMetadata]) -> ShardingSpec:
+    """The spec that produces ``shards_metadata``: a chunk spec when one does, else Enumerable.
+
+    A chunk spec is found for any sharded dim, including dim 0 and a single
+    shard covering the whole tensor (torch 2.13 infers Enumerable for those
+    and can misread shards cut along two dims as a chunk spec).
+    """
+    shards = list(shards_metadata)
+    if not shards or any(s.placement is None for s in shards):
+        return EnumerableShardingSpec(shards)
+    ndim = len(shards[0].shard_offsets)
+    if ndim == 0 or any(len(s.shard_offsets) != ndim for s in shards):
+        return EnumerableShardingSpec(shards)
+    for dim in range(ndim):
+        others = [d for d in range(ndim) if d != dim]
+        full = [shards[0].shard_sizes[d] for d in others]
+        if any(s.shard_offsets[d] != 0 for s in shards for d in others):
+            continue
+        if any([s.shard_sizes[d] for d in others] != full for s in shards):
+            continue
+        ordered = sorted(shards, key=lambda s: s.shard_offsets[dim])
+        total = sum(s.shard_sizes[dim] for s in ordered)
+        expected = chunk_sizes(total, len(ordered))
+        offset = 0
+        ok = True
+        for shard, length in zip(ordered, expected):
+            if shard.shard_sizes[dim] != length or shard.shard_offsets[dim] != offset:
+                ok = False
+                break
+            offset += length
+        if ok:
+            return ChunkShardingSpec(dim, [s.placement for s in ordered])
+    return EnumerableShardingSpec(shards)
+
+
