@@ -127,10 +127,20 @@ def test_find_op_walks_the_spec_mro(core_only: None) -> None:
     plugins.register(OpPlugin(ShardedOp(torch.add, SpecChild, _other_impl)), name="child-ops")
     assert plugins.find_op(torch.add, SpecChild()).impl is _other_impl
     assert plugins.find_op(torch.add, SpecBase()).impl is _impl
-    assert [(o.op_name, o.spec.__name__) for o in plugins.list_sharded_ops()] == [
+    assert [(o.op_name, o.spec.__name__) for o in plugins.list_sharded_ops() if o.spec in (SpecBase, SpecChild)] == [
         ("torch.add", "SpecBase"),
         ("torch.add", "SpecChild"),
     ]
+
+
+def test_override_replaces_a_plugin_op_for_every_spec(core_only: None) -> None:
+    plugins.register(OpPlugin(ShardedOp(torch.add, SpecChild, _impl)), name="child-ops")
+    plugins.register(OpPlugin(ShardedOp(torch.add, SpecBase, _other_impl, override=True)), name="user")
+    # The override is declared for the base class, yet wins over the plugin's more specific impl.
+    assert plugins.find_op(torch.add, SpecChild).impl is _other_impl
+    plugins.register(OpPlugin(ShardedOp(torch.add, SpecBase, _impl, override=True)), name="user-2")
+    with pytest.raises(PluginError, match=r"override op torch\.add for SpecBase is implemented by two plugins: 'user' and 'user-2'"):
+        plugins.find_op(torch.add, SpecChild)
 
 
 def test_missing_op_names_specs_and_distribution(core_only: None) -> None:

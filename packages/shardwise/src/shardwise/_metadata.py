@@ -166,7 +166,7 @@ class ShardMetadata:
 
     def ends(self) -> list[int]:
         """Exclusive end of the shard in each dimension."""
-        return [o + s for o, s in zip(self.shard_offsets, self.shard_sizes)]
+        return [o + s for o, s in zip(self.shard_offsets, self.shard_sizes, strict=False)]
 
     def describe(self) -> str:
         """``offsets=[0, 0] sizes=[3, 4] on rank:0/cpu`` for error messages."""
@@ -355,7 +355,7 @@ def intersect(
     Boxes with a zero-size dimension never intersect anything.
     """
     offsets, sizes = [], []
-    for ao, asz, bo, bsz in zip(a_offsets, a_sizes, b_offsets, b_sizes):
+    for ao, asz, bo, bsz in zip(a_offsets, a_sizes, b_offsets, b_sizes, strict=False):
         lo = max(ao, bo)
         hi = min(ao + asz, bo + bsz)
         if hi <= lo:
@@ -409,7 +409,7 @@ def check_covering(shards: Sequence[ShardMetadata], tensor_size: Sequence[int]) 
                 f"shard {i} ({shard.describe()}) has {len(shard.shard_offsets)} dimensions, "
                 f"the tensor of size {size} has {len(size)}"
             )
-        for d, (end, limit) in enumerate(zip(shard.ends(), size)):
+        for d, (end, limit) in enumerate(zip(shard.ends(), size, strict=False)):
             if end > limit and shard.shard_sizes[d] > 0:
                 raise ValueError(
                     f"shard {i} ({shard.describe()}) ends at {end} in dim {d}, "

@@ -6,11 +6,16 @@ Names follow ``torch.distributed._shard.sharded_tensor`` (torch 2.13).
 from __future__ import annotations
 
 from shardwise._custom_ops import custom_sharded_op_impl
-from shardwise._metadata import ShardedTensorMetadata, ShardMetadata, TensorProperties
+from shardwise._metadata import ShardMetadata, ShardedTensorMetadata, TensorProperties
 from shardwise.sharded_tensor._api import ShardedTensor, ShardedTensorBase
 from shardwise.sharded_tensor._creation import empty, full, ones, rand, randn, zeros
 from shardwise.sharded_tensor._from_shards import init_from_local_shards
 from shardwise.sharded_tensor._shard import Shard
+
+# Public module paths in reprs, messages and pickles (the classes live in private modules).
+for _cls in (Shard, ShardedTensor, ShardedTensorMetadata, ShardMetadata, TensorProperties):
+    _cls.__module__ = __name__
+del _cls
 
 __all__ = [
     "Shard",

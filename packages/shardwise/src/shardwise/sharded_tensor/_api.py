@@ -8,8 +8,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 from shardwise._metadata import (
-    ShardedTensorMetadata,
     ShardMetadata,
+    ShardedTensorMetadata,
     TensorProperties,
     check_covering,
     validate_non_overlapping,

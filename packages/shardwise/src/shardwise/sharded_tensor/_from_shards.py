@@ -7,8 +7,8 @@ from typing import Any
 import torch
 
 from shardwise._metadata import (
-    ShardedTensorMetadata,
     ShardMetadata,
+    ShardedTensorMetadata,
     TensorProperties,
     check_covering,
     validate_non_overlapping,
@@ -20,7 +20,7 @@ from shardwise.sharding_spec._api import infer_sharding_spec
 __all__ = ["init_from_local_shards"]
 
 
-def _local_payload(local_shards: list[Shard], global_size: tuple[Any, ...], rank: int) -> dict[str, Any]:
+def _local_payload(local_shards: list[Shard], global_size: tuple[Any, ...], rank: int, size_: int) -> dict[str, Any]:
     size = flatten_size(global_size)
     if not isinstance(local_shards, (list, tuple)):
         raise TypeError(f"local_shards must be a list of Shard, got {type(local_shards).__name__}")
@@ -29,6 +29,11 @@ def _local_payload(local_shards: list[Shard], global_size: tuple[Any, ...], rank
         if not isinstance(shard, Shard):
             raise TypeError(f"local_shards[{i}] must be a Shard, got {type(shard).__name__}")
         md = shard.metadata
+        if md.placement is not None and md.placement.rank() >= size_:
+            raise ValueError(
+                f"local shard {i} ({md.describe()}) is placed on rank {md.placement.rank()}, "
+                f"but the group has {size_} rank(s) (0..{size_ - 1})"
+            )
         if md.placement is None or md.placement.rank() != rank:
             raise ValueError(
                 f"local shard {i} ({md.describe()}) is placed on {md.placement}, but it was passed on rank {rank}; "
@@ -93,7 +98,7 @@ def init_from_local_shards(
     _check_no_rrefs(init_rrefs)
     group = resolve_group(process_group)
     try:
-        payload = _local_payload(local_shards, global_size, group.rank)
+        payload = _local_payload(local_shards, global_size, group.rank, group.size)
     except (TypeError, ValueError) as exc:
         group.reject(exc)
     gathered = group.exchange(payload)
@@ -116,9 +121,6 @@ def init_from_local_shards(
                 f"rank {r} has {entry['props']}"
             )
     shards_md = [ShardMetadata.from_dict(s) for entry in gathered for s in entry["shards"]]
-    if props_dict is None:
-        if any(s != 0 for s in size) or size == []:
-            raise ValueError(f"no rank passed a local shard for a tensor of size {size}")
     if not shards_md:
         raise ValueError(f"no rank passed a local shard for a tensor of size {size}")
     props = TensorProperties.from_dict(props_dict) if props_dict is not None else TensorProperties()
@@ -129,7 +131,7 @@ def init_from_local_shards(
     spec = infer_sharding_spec(shards_md)
     mine = [s for s in shards_md if s.placement is not None and s.placement.rank() == group.rank]
     # Reuse the global metadata objects so local shards and metadata agree by identity too.
-    local = [Shard(shard.tensor, md) for shard, md in zip(local_shards, mine)]
+    local = [Shard(shard.tensor, md) for shard, md in zip(local_shards, mine, strict=False)]
     return ShardedTensor._create(spec, metadata, local, group)
 
 

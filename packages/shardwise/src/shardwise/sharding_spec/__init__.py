@@ -18,6 +18,11 @@ from shardwise.sharding_spec._api import (
     spec_from_dict,
 )
 
+# Public module paths in reprs, messages and pickles (the classes live in private modules).
+for _cls in (ChunkShardingSpec, DevicePlacementSpec, EnumerableShardingSpec, PlacementSpec, ShardingSpec, Placement):
+    _cls.__module__ = __name__
+del _cls
+
 #: torch 2.13's private name for :func:`infer_sharding_spec`.
 _infer_sharding_spec_from_shards_metadata = infer_sharding_spec
 

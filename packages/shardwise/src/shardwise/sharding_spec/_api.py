@@ -5,14 +5,14 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 import torch
 
 from shardwise._metadata import (
     Placement,
-    ShardedTensorMetadata,
     ShardMetadata,
+    ShardedTensorMetadata,
     TensorProperties,
     check_covering,
     validate_non_overlapping,
@@ -154,7 +154,7 @@ class ChunkShardingSpec(ShardingSpec):
         dim = self.dim % ndim
         shards = []
         offset = 0
-        for placement, length in zip(self.placements, chunk_sizes(sizes[dim], len(self.placements))):
+        for placement, length in zip(self.placements, chunk_sizes(sizes[dim], len(self.placements)), strict=False):
             offsets = [0] * ndim
             offsets[dim] = offset
             shard_sizes = list(sizes)
@@ -262,7 +262,7 @@ def infer_sharding_spec(shards_metadata: Sequence[ShardMetadata]) -> ShardingSpe
         expected = chunk_sizes(total, len(ordered))
         offset = 0
         ok = True
-        for shard, length in zip(ordered, expected):
+        for shard, length in zip(ordered, expected, strict=False):
             if shard.shard_sizes[dim] != length or shard.shard_offsets[dim] != offset:
                 ok = False
                 break
