@@ -9,13 +9,9 @@ import torch
 
 import shardwise
 from shardwise.errors import CollectiveMismatchError, PeerError
-from shardwise.testing import run_ranks
 
-from conftest import RANK_ENV
-
-
-def _run(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
-    return run_ranks(fn, world_size, backend="test-gloo", args=args, env=RANK_ENV, timeout=120)
+from rank_helpers import check_errors
+from rank_helpers import run as _run
 
 
 def _equal(actual: torch.Tensor, expected: torch.Tensor) -> None:
@@ -187,15 +183,8 @@ EXPECTED_ONE = {
 
 def test_bad_input_raises_on_every_rank() -> None:
     results = _run(bad_inputs, 2)
-    for rank, seen in enumerate(results):
-        for case, (kind, fragment) in EXPECTED_ALL.items():
-            assert seen[case][0] == kind and fragment in seen[case][1], (rank, case, seen[case])
-        for case, (culprit, kind, fragment) in EXPECTED_ONE.items():
-            if rank == culprit:
-                assert seen[case][0] == kind and fragment in seen[case][1], (rank, case, seen[case])
-            else:
-                assert seen[case][0] == PeerError.__name__, (rank, case, seen[case])
-                assert f"rank {culprit} ({kind})" in seen[case][1], (rank, case, seen[case])
+    check_errors(results, EXPECTED_ALL, EXPECTED_ONE)
+    for seen in results:
         assert seen["reject_kind"] == ("TypeError", "reject() takes a TypeError, ValueError or IndexError, got RuntimeError")
         assert seen["after"] == ("ok", "2.0")
 

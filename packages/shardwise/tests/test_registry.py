@@ -144,9 +144,10 @@ def test_override_replaces_a_plugin_op_for_every_spec(core_only: None) -> None:
 
 
 def test_missing_op_names_specs_and_distribution(core_only: None) -> None:
-    plugins.register(OpPlugin(ShardedOp(torch.add, SpecChild, _impl)), name="child-ops")
-    with pytest.raises(OpNotFoundError, match="no sharded implementation of torch.add for SpecBase; it is implemented for: SpecChild"):
-        plugins.find_op(torch.add, SpecBase)
+    # torch.kron: an op the core itself does not implement.
+    plugins.register(OpPlugin(ShardedOp(torch.kron, SpecChild, _impl)), name="child-ops")
+    with pytest.raises(OpNotFoundError, match="no sharded implementation of torch.kron for SpecBase; it is implemented for: SpecChild"):
+        plugins.find_op(torch.kron, SpecBase)
     with pytest.raises(LookupError, match=r"embedding for SpecBase; no installed plugin.*pip install shardwise-embedding"):
         plugins.find_op(torch.nn.functional.embedding, SpecBase)
     assert plugins.find_op_or_none(torch.nn.functional.embedding, SpecBase) is None

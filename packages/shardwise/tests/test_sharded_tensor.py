@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -21,21 +21,9 @@ from shardwise.sharded_tensor import (
     init_from_local_shards,
 )
 from shardwise.sharding_spec import ChunkShardingSpec, EnumerableShardingSpec, custom_sharding_spec_op
-from shardwise.testing import run_ranks
 
-from conftest import RANK_ENV
-
-
-def _run(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
-    return run_ranks(fn, world_size, backend="test-gloo", args=args, env=RANK_ENV, timeout=120)
-
-
-def _outcome(fn: Callable[[], Any]) -> tuple[str, str]:
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - the test inspects every error
-        return type(exc).__name__, str(exc)
-    return "ok", ""
+from rank_helpers import outcome as _outcome
+from rank_helpers import run as _run
 
 
 def _dense(size: list[int]) -> torch.Tensor:

@@ -7,6 +7,8 @@ and backend libraries (mpi4py, CUDA) load only when their backend is chosen.
 from __future__ import annotations
 
 from shardwise._group import Group
+from shardwise._load_context import load_with_process_group
+from shardwise._modules import shard_module, shard_parameter
 from shardwise._records import Availability, Backend, LaunchInfo, Launcher, ShardedOp
 from shardwise._runtime import (
     DEFAULT_TIMEOUT,
@@ -16,7 +18,23 @@ from shardwise._runtime import (
     is_initialized,
     resolve_group,
 )
+from shardwise._scatter import shard_tensor
 from shardwise.hookspecs import hookimpl
+from shardwise.sharded_tensor import (
+    Shard,
+    ShardMetadata,
+    ShardedTensor,
+    ShardedTensorMetadata,
+    TensorProperties,
+)
+from shardwise.sharder import Sharder
+from shardwise.sharding_plan import ShardingPlan
+from shardwise.sharding_spec import (
+    ChunkShardingSpec,
+    DevicePlacementSpec,
+    EnumerableShardingSpec,
+    ShardingSpec,
+)
 
 __version__ = "0.1.0"
 
@@ -24,14 +42,29 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "Availability",
     "Backend",
+    "ChunkShardingSpec",
+    "DevicePlacementSpec",
+    "EnumerableShardingSpec",
     "Group",
     "LaunchInfo",
     "Launcher",
+    "Shard",
+    "ShardMetadata",
     "ShardedOp",
+    "ShardedTensor",
+    "ShardedTensorMetadata",
+    "Sharder",
+    "ShardingPlan",
+    "ShardingSpec",
+    "TensorProperties",
     "destroy",
     "get_default_group",
     "hookimpl",
     "init",
     "is_initialized",
+    "load_with_process_group",
     "resolve_group",
+    "shard_module",
+    "shard_parameter",
+    "shard_tensor",
 ]

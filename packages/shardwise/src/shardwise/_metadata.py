@@ -44,6 +44,8 @@ class Placement:
     """
 
     __slots__ = ("_rank", "_device")
+    _rank: int
+    _device: torch.device
 
     def __init__(self, spec: Union[str, Placement, Any]) -> None:
         if isinstance(spec, Placement):

@@ -189,7 +189,7 @@ def qualified_name(obj: Any) -> str:
     if getattr(obj, "__objclass__", None) is torch._C.TensorBase:
         return f"torch.Tensor.{obj.__name__}"
     descriptor = getattr(obj, "__self__", None)
-    if getattr(descriptor, "__objclass__", None) is torch._C.TensorBase:
+    if descriptor is not None and getattr(descriptor, "__objclass__", None) is torch._C.TensorBase:
         # An attribute getter/setter: torch.Tensor.shape.__get__
         return f"torch.Tensor.{descriptor.__name__}.{obj.__name__}"
     if getattr(obj, "__module__", None) == "torch._tensor" and getattr(obj, "__qualname__", "").startswith("Tensor."):

@@ -155,6 +155,11 @@ def init(
                 f"{launch.launcher} launcher says rank {launch.rank} of {launch.world_size}"
             )
         _default = group
+        # So a ShardedTensor saved by torch.save loads with torch.load's default
+        # weights_only=True in a fresh process; the state it pickles is plain data.
+        from shardwise._load_context import register_safe_globals
+
+        register_safe_globals()
         return group
 
 

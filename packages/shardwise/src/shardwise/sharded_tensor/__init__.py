@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from shardwise._custom_ops import custom_sharded_op_impl
 from shardwise._metadata import ShardMetadata, ShardedTensorMetadata, TensorProperties
+from shardwise._modules import pre_load_state_dict_hook, state_dict_hook
 from shardwise.sharded_tensor._api import ShardedTensor, ShardedTensorBase
 from shardwise.sharded_tensor._creation import empty, full, ones, rand, randn, zeros
 from shardwise.sharded_tensor._from_shards import init_from_local_shards
@@ -29,7 +30,9 @@ __all__ = [
     "full",
     "init_from_local_shards",
     "ones",
+    "pre_load_state_dict_hook",
     "rand",
     "randn",
+    "state_dict_hook",
     "zeros",
 ]

@@ -322,7 +322,7 @@ class ShardedTensor(torch.Tensor):
             )
         return self._local_shards[0].tensor
 
-    def size(self, dim: Optional[int] = None) -> Any:  # type: ignore[override]
+    def size(self, dim: Optional[int] = None) -> Any:
         """Size of the whole tensor, or of dimension ``dim``."""
         size = self._metadata.size
         if dim is None:
@@ -332,7 +332,7 @@ class ShardedTensor(torch.Tensor):
             raise IndexError(f"dimension {dim} out of range for a tensor of {ndim} dimensions")
         return size[dim]
 
-    def dim(self) -> int:  # type: ignore[override]
+    def dim(self) -> int:
         """Number of dimensions of the whole tensor."""
         return len(self._metadata.size)
 
@@ -356,9 +356,9 @@ class ShardedTensor(torch.Tensor):
         and no rank ever holds the whole tensor. Every rank calls it with
         the same spec (checked: a mismatch is a ValueError on every rank).
         """
-        from shardwise._exchange import reshard
+        from shardwise._scatter import reshard_in_place
 
-        return reshard(self, resharding_spec)
+        return reshard_in_place(self, resharding_spec)
 
     def gather(  # type: ignore[override]
         self,
@@ -376,15 +376,15 @@ class ShardedTensor(torch.Tensor):
                 before sending, as torch 2.13 does.
             dtype: The dtype ``enforce_dtype`` casts to.
         """
-        from shardwise._exchange import gather
+        from shardwise._scatter import gather_to
 
-        gather(self, dst, out, enforce_dtype=enforce_dtype, dtype=dtype)
+        gather_to(self, dst, out, enforce_dtype=enforce_dtype, dtype=dtype)
 
     def full_tensor(self) -> torch.Tensor:
         """The whole tensor, on every rank."""
-        from shardwise._exchange import full_tensor
+        from shardwise._scatter import all_gather_tensor
 
-        return full_tensor(self)
+        return all_gather_tensor(self)
 
     # -- torch integration -------------------------------------------------
     @classmethod
@@ -412,7 +412,9 @@ class ShardedTensor(torch.Tensor):
         return record.impl(types, args, kwargs, st._process_group)
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(  # type: ignore[override]
+        cls, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None
+    ) -> Any:
         raise RuntimeError(
             f"{func} reached ShardedTensor below __torch_function__ (from C++ or autograd on the wrapper); "
             "ShardedTensor only supports ops with a sharded implementation"

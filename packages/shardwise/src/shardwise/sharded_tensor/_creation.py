@@ -77,26 +77,31 @@ def full(sharding_spec: ShardingSpec, size: Any, fill_value: Any, **kwargs: Any)
     return _filled(empty(sharding_spec, *_as_sizes(size), **kwargs), lambda t: t.fill_(fill_value))
 
 
-def rand(sharding_spec: ShardingSpec, *size: Any, **kwargs: Any) -> ShardedTensor:
+def rand(
+    sharding_spec: ShardingSpec, *size: Any, generator: Optional[torch.Generator] = None, **kwargs: Any
+) -> ShardedTensor:
     """Like :func:`empty`, filled with uniform numbers on ``[0, 1)``.
 
     The values depend only on the seed of torch's default generator (on
     every rank alike) and the global position of each element: the same
     seed gives the same whole tensor whatever the world size and spec.
+    ``generator`` (the same seed on every rank) replaces the default one.
     """
     from shardwise.sharded_tensor._ops._random import fill_uniform
 
     st = empty(sharding_spec, *size, **kwargs)
-    fill_uniform(st, 0.0, 1.0)
+    fill_uniform(st, 0.0, 1.0, generator=generator)
     return st
 
 
-def randn(sharding_spec: ShardingSpec, *size: Any, **kwargs: Any) -> ShardedTensor:
+def randn(
+    sharding_spec: ShardingSpec, *size: Any, generator: Optional[torch.Generator] = None, **kwargs: Any
+) -> ShardedTensor:
     """Like :func:`empty`, filled with standard normal numbers (see :func:`rand` on seeds)."""
     from shardwise.sharded_tensor._ops._random import fill_normal
 
     st = empty(sharding_spec, *size, **kwargs)
-    fill_normal(st, 0.0, 1.0)
+    fill_normal(st, 0.0, 1.0, generator=generator)
     return st
 
 

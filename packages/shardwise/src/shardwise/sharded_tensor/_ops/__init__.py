@@ -11,9 +11,9 @@ from shardwise._records import ShardedOp
 
 def all_records() -> list[ShardedOp]:
     """Records from every op module of the core."""
-    from shardwise.sharded_tensor._ops import _attributes
+    from shardwise.sharded_tensor._ops import _attributes, _compare, _init, _pointwise, _tensor
 
     records: list[ShardedOp] = []
-    for module in (_attributes,):
+    for module in (_attributes, _compare, _init, _pointwise, _tensor):
         records.extend(module.records())
     return records

@@ -19,9 +19,9 @@ _PASSTHROUGH = (
     torch.Tensor.layout.__get__,  # type: ignore[attr-defined]
     torch.Tensor.ndim.__get__,  # type: ignore[attr-defined]
     torch.Tensor.is_leaf.__get__,  # type: ignore[attr-defined]
-    torch.Tensor.grad.__get__,  # type: ignore[attr-defined]
-    torch.Tensor.grad.__set__,  # type: ignore[attr-defined]
-    torch.Tensor.grad_fn.__get__,  # type: ignore[attr-defined]
+    torch.Tensor.grad.__get__,  # type: ignore[union-attr]
+    torch.Tensor.grad.__set__,  # type: ignore[union-attr]
+    torch.Tensor.grad_fn.__get__,  # type: ignore[union-attr]
     torch.Tensor.is_sparse.__get__,  # type: ignore[attr-defined]
     torch.Tensor.is_quantized.__get__,  # type: ignore[attr-defined]
     torch.Tensor.is_meta.__get__,  # type: ignore[attr-defined]
@@ -54,9 +54,10 @@ def _device(types: Any, args: Any = (), kwargs: Any = None, process_group: Any =
     st = args[0]
     shards = st.local_shards()
     if shards:
-        return shards[0].tensor.device
+        device: torch.device = shards[0].tensor.device
+        return device
     with torch._C.DisableTorchFunctionSubclass():
-        return torch.Tensor.device.__get__(st)  # type: ignore[attr-defined]
+        return torch.Tensor.device.__get__(st)
 
 
 def _is_contiguous(types: Any, args: Any = (), kwargs: Any = None, process_group: Any = None) -> bool:
@@ -79,7 +80,7 @@ def records() -> list[ShardedOp]:
             description="whether the local shards require grad",
         ),
         ShardedOp(
-            op=torch.Tensor.device.__get__,  # type: ignore[attr-defined]
+            op=torch.Tensor.device.__get__,
             spec=ShardingSpec,
             impl=_device,
             description="device of the local shards",

@@ -1,0 +1,120 @@
+"""Whole-tensor comparisons and reductions to one bool: ``equal``, ``allclose``, ``any``, ``all``.
+
+Each rank compares its own shards and the group agrees through one
+``all_reduce`` of a flag, so every rank returns the same answer. The flag
+lives on the group's device: this works on gloo/CPU-only hosts, where
+torch 2.13's versions fail (they put the flag on an accelerator).
+
+Semantics follow torch 2.13's sharded ``equal``/``allclose``: tensors whose
+layouts (size, shard boxes, placements) or dtypes differ compare False,
+without communication (all ranks see the same metadata, so all skip it
+alike). Unlike torch 2.13, ``requires_grad`` and ``pin_memory`` do not
+matter, as for plain tensors. The other operand may also be a plain tensor
+holding the whole tensor, the same on every rank: each rank compares its
+shards with the matching slices.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from shardwise._records import ShardedOp
+from shardwise.sharded_tensor._api import ShardedTensor
+from shardwise.sharded_tensor._ops._common import box_key, layout_key, local_by_box, op_name, records_for
+
+__all__ = ["records"]
+
+
+def _agree(group: Any, flag: bool, op: str) -> bool:
+    """``flag`` combined over the group with ``op`` ("min": all, "max": any)."""
+    t = torch.tensor([int(flag)], dtype=torch.int32, device=group.device)
+    group.all_reduce(t, op=op)
+    return bool(t.item())
+
+
+def _same_group(a: Any, b: Any) -> bool:
+    return a is b or (getattr(a, "pg", None) is not None and getattr(a, "pg", None) is getattr(b, "pg", None))
+
+
+def _slice(full: torch.Tensor, key: Any) -> torch.Tensor:
+    offsets, sizes = key
+    return full[tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))]
+
+
+def _pairs(a: Any, b: Any) -> tuple[ShardedTensor, list[tuple[torch.Tensor, torch.Tensor]]] | None:
+    """The sharded operand and the (a, b) pieces to compare on this rank, or None when they cannot match."""
+    st = a if isinstance(a, ShardedTensor) else b
+    if isinstance(a, ShardedTensor) and isinstance(b, ShardedTensor):
+        if not _same_group(a._process_group, b._process_group) or a.dtype != b.dtype:
+            return None
+        if layout_key(a, True) != layout_key(b, True):
+            return None
+        theirs = local_by_box(b)
+        return a, [(shard.tensor, theirs[box_key(shard.metadata)]) for shard in a.local_shards()]
+    plain = b if st is a else a
+    if not isinstance(plain, torch.Tensor):
+        raise TypeError(f"expected a ShardedTensor or a torch.Tensor, got {type(plain).__name__}")
+    if plain.shape != st.size() or plain.dtype != st.dtype:
+        return None
+    pieces = [(shard.tensor, _slice(plain, box_key(shard.metadata))) for shard in st.local_shards()]
+    return st, [p if st is a else (p[1], p[0]) for p in pieces]
+
+
+_PARAMS = {"equal": ("input", "other"), "allclose": ("input", "other", "rtol", "atol", "equal_nan")}
+
+
+def _comparison(func: Any) -> Callable[..., Any]:
+    name = op_name(func)
+    params = _PARAMS["allclose" if name.endswith("allclose") else "equal"]
+
+    def impl(types: Any, args: Any, kwargs: Any, process_group: Any) -> bool:
+        if len(args) > len(params):
+            raise TypeError(f"{name}() takes at most {len(params)} arguments, got {len(args)}")
+        bound = dict(zip(params, args, strict=False))
+        for key, value in (kwargs or {}).items():
+            if key not in params or key in bound:
+                raise TypeError(f"{name}() got an unexpected or repeated argument {key!r}")
+            bound[key] = value
+        if "other" not in bound:
+            raise TypeError(f"{name}() missing the argument 'other'")
+        a, b = bound.pop("input"), bound.pop("other")
+        found = _pairs(a, b)
+        if found is None:
+            return False
+        st, pieces = found
+        same = all(func(x, y.to(x.device), **bound) for x, y in pieces)
+        return _agree(st._process_group, same, "min")
+
+    return impl
+
+
+def _reduction(kind: str) -> Callable[..., Any]:
+    def impl(types: Any, args: Any, kwargs: Any, process_group: Any) -> torch.Tensor:
+        st = args[0]
+        if len(args) > 1 or kwargs or not isinstance(st, ShardedTensor):
+            raise TypeError(
+                f"torch.{kind} on a ShardedTensor takes only the tensor (whole-tensor form); "
+                "reductions along a dim are not supported"
+            )
+        tensors = [shard.tensor for shard in st.local_shards()]
+        if kind == "any":
+            flag = _agree(st._process_group, any(bool(t.any()) for t in tensors), "max")
+        else:
+            flag = _agree(st._process_group, all(bool(t.all()) for t in tensors), "min")
+        return torch.tensor(flag, device=st.device)
+
+    return impl
+
+
+def records() -> list[ShardedOp]:
+    """``equal``/``allclose`` and whole-tensor ``any``/``all``, each one global answer."""
+    return (
+        records_for([torch.equal, torch.Tensor.equal], _comparison, "global comparison, same answer on every rank")
+        + records_for(
+            [torch.allclose, torch.Tensor.allclose], _comparison, "global comparison, same answer on every rank"
+        )
+        + records_for([torch.any, torch.Tensor.any], lambda op: _reduction("any"), "global any, on every rank")
+        + records_for([torch.all, torch.Tensor.all], lambda op: _reduction("all"), "global all, on every rank")
+    )

@@ -1,0 +1,74 @@
+"""Helpers shared by the core's multi-rank tests."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import torch
+
+import shardwise
+from shardwise.errors import PeerError
+from shardwise.sharded_tensor import Shard, ShardMetadata, ShardedTensor, TensorProperties
+from shardwise.sharding_spec import ShardingSpec
+from shardwise.testing import run_ranks
+
+from conftest import RANK_ENV
+
+
+def run(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
+    """``fn(*args)`` on ``world_size`` ranks over the test backend; every rank's return value."""
+    return run_ranks(fn, world_size, backend="test-gloo", args=args, env=RANK_ENV, timeout=120)
+
+
+def outcome(fn: Callable[[], Any]) -> tuple[str, str]:
+    """``("ok", "")`` or ``(error type name, message)`` of calling ``fn``."""
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the tests inspect every rank's error
+        return type(exc).__name__, str(exc)
+    return "ok", ""
+
+
+def box(t: torch.Tensor, md: ShardMetadata) -> torch.Tensor:
+    """The view of ``t`` that shard ``md`` covers."""
+    for d, (o, n) in enumerate(zip(md.shard_offsets, md.shard_sizes, strict=True)):
+        t = t.narrow(d, o, n)
+    return t
+
+
+def check_errors(
+    results: list[Mapping[str, tuple[str, str]]],
+    on_every_rank: Mapping[str, tuple[str, str]],
+    at_fault: Mapping[str, tuple[int, str, str]],
+    peer_says: str = "rank {culprit} ({kind})",
+) -> None:
+    """Assert each case's error on every rank.
+
+    Args:
+        results: Per rank, case name -> :func:`outcome`.
+        on_every_rank: case -> (error type, message fragment) expected on every rank.
+        at_fault: case -> (culprit rank, error type, fragment): the culprit raises
+            that error, every other rank a PeerError containing ``peer_says``.
+        peer_says: Fragment of the peers' message, formatted with culprit and kind.
+    """
+    for rank, seen in enumerate(results):
+        for case, (kind, fragment) in on_every_rank.items():
+            assert seen[case][0] == kind and fragment in seen[case][1], (rank, case, seen[case])
+        for case, (culprit, kind, fragment) in at_fault.items():
+            if rank == culprit:
+                assert seen[case][0] == kind and fragment in seen[case][1], (rank, case, seen[case])
+            else:
+                assert seen[case][0] == PeerError.__name__, (rank, case, seen[case])
+                assert peer_says.format(culprit=culprit, kind=kind) in seen[case][1], (rank, case, seen[case])
+
+
+def sharded_from_dense(
+    full: torch.Tensor, spec: ShardingSpec, group: Any = None, requires_grad: bool = False
+) -> ShardedTensor:
+    """``full`` cut by ``spec`` from this rank's own slices (no communication)."""
+    group = group if group is not None else shardwise.get_default_group()
+    md = spec.build_metadata(full.size(), TensorProperties(dtype=full.dtype, requires_grad=requires_grad))
+    shards = [
+        Shard(box(full, m).clone().requires_grad_(requires_grad), m) for m in md.shards_metadata if m.rank == group.rank
+    ]
+    return ShardedTensor._init_from_local_shards_and_global_metadata(shards, md, process_group=group, sharding_spec=spec)

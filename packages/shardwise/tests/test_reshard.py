@@ -1,0 +1,268 @@
+"""``reshard``, ``gather`` and ``full_tensor`` on real ranks, against dense slices and torch 2.13.
+
+Every (source layout, target layout) pair runs in one launch per world size:
+chunk specs on every dim with rank-ordered, permuted and repeated placements
+(several and empty shards per rank), Enumerable 2-D grids with several
+shards on one rank, one rank holding everything, and 0-d tensors.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+
+import pytest
+import torch
+
+import shardwise
+from shardwise.errors import PeerError
+from shardwise.sharded_tensor import Shard, ShardMetadata, ShardedTensor, TensorProperties
+from shardwise.sharding_spec import ChunkShardingSpec, EnumerableShardingSpec, ShardingSpec
+
+from rank_helpers import box as _box
+from rank_helpers import outcome as _outcome
+from rank_helpers import run as _run
+
+
+def _dense(size: list[int], dtype: torch.dtype) -> torch.Tensor:
+    values = torch.arange(1, 1 + torch.Size(size).numel(), dtype=torch.float64).reshape(size)
+    if dtype == torch.bool:
+        return values.remainder(3) == 0
+    if dtype.is_complex:
+        return torch.complex(values, -values).to(dtype)
+    return values.to(dtype)
+
+
+def _place(ranks: list[int]) -> list[str]:
+    return [f"rank:{r}/cpu" for r in ranks]
+
+
+def _grid(size: list[int], cuts: dict[int, list[int]], ranks: list[int], empties: int = 0) -> EnumerableShardingSpec:
+    """Cells of ``size`` cut at ``cuts[dim]``; cell k on ``ranks[k % len]``; ``empties`` extra empty shards."""
+    edges = [[0, *cuts.get(d, []), n] for d, n in enumerate(size)]
+    shards = []
+    for k, cell in enumerate(itertools.product(*[range(len(e) - 1) for e in edges])):
+        offsets = [edges[d][c] for d, c in enumerate(cell)]
+        sizes = [edges[d][c + 1] - edges[d][c] for d, c in enumerate(cell)]
+        shards.append(ShardMetadata(offsets, sizes, f"rank:{ranks[k % len(ranks)]}/cpu"))
+    shards += [ShardMetadata([0] * len(size), [0] * len(size), f"rank:{k % len(ranks)}/cpu") for k in range(empties)]
+    return EnumerableShardingSpec(shards)
+
+
+def layouts(size: list[int], w: int) -> dict[str, ShardingSpec]:
+    """Every kind of layout for a tensor of ``size`` (2-D or 3-D) on ``w`` ranks."""
+    ranks = list(range(w))
+    rotated = ranks[1:] + ranks[:1]  # rank:1, rank:2, ..., rank:0
+    last = len(size) - 1
+    return {
+        "chunk0": ChunkShardingSpec(0, _place(ranks)),
+        "chunk_last_permuted": ChunkShardingSpec(-1, _place(rotated[::-1])),
+        # more pieces than rows: several and empty shards per rank
+        "chunk1_repeated": ChunkShardingSpec(1, _place([w - 1, 0, *ranks, 0])),
+        "grid": _grid(size, {0: [1, size[0] // 2 + 1], last: [2]}, rotated),
+        "grid_empties": _grid(size, {last: [1, 3]}, ranks[::-1], empties=2),
+        "one_rank": EnumerableShardingSpec([ShardMetadata([0] * len(size), size, f"rank:{w - 1}/cpu")]),
+    }
+
+
+def make(dense: torch.Tensor, spec: ShardingSpec, requires_grad: bool = False) -> ShardedTensor:
+    """A ShardedTensor holding ``dense``, built without the exchange engine."""
+    g = shardwise.get_default_group()
+    props = TensorProperties(dtype=dense.dtype, requires_grad=requires_grad)
+    md = spec.build_metadata(dense.shape, props)
+    local = [
+        Shard(_box(dense, s).clone().requires_grad_(requires_grad), s) for s in md.shards_metadata if s.rank == g.rank
+    ]
+    return ShardedTensor._init_from_local_shards_and_global_metadata(local, md, process_group=g, sharding_spec=spec)
+
+
+def check(st: ShardedTensor, dense: torch.Tensor, spec: ShardingSpec, requires_grad: bool, where: str) -> None:
+    """``st`` is laid out by ``spec`` and holds ``dense``: shard by shard, in metadata order."""
+    g = shardwise.get_default_group()
+    md = spec.build_metadata(dense.shape, TensorProperties(dtype=dense.dtype))
+    assert st.sharding_spec() == spec, where
+    assert st.metadata().shards_metadata == md.shards_metadata, where
+    mine = [s for s in md.shards_metadata if s.rank == g.rank]
+    assert [s.metadata for s in st.local_shards()] == mine, where
+    for shard in st.local_shards():
+        expected = _box(dense, shard.metadata)
+        t = shard.tensor
+        assert t.dtype == dense.dtype and t.is_contiguous() and t.is_leaf, where
+        assert t.requires_grad == requires_grad, where
+        assert torch.equal(t.detach(), expected), (where, shard.metadata, t, expected)
+
+
+def every_pair() -> int:
+    """Reshard every layout to every layout; gather and full_tensor each; compare with torch where it works."""
+    g = shardwise.get_default_group()
+    w, r = g.size, g.rank
+    done = 0
+    cases = [([7, 5], torch.float32, True), ([3, 4, 6], torch.int64, False)]
+    for size, dtype, grad in cases:
+        dense = _dense(size, dtype)
+        specs = layouts(size, w)
+        for (a, src), (b, dst) in itertools.product(specs.items(), repeat=2):
+            where = f"{size} {a} -> {b}"
+            st = make(dense, src, grad)
+            assert st.reshard(dst) is st, where
+            check(st, dense, dst, grad, where)
+            done += 1
+        for name, spec in specs.items():
+            st = make(dense, spec, grad)
+            full = st.full_tensor()
+            assert torch.equal(full, dense) and full.dtype == dtype, (name, full)
+            for dst in {0, w - 1}:
+                out = torch.full(size, -1, dtype=dtype) if r == dst else None
+                st.gather(dst, out)
+                if out is not None:
+                    assert torch.equal(out, dense), (name, dst, out)
+            # gather into a non-contiguous view, as float64, with a cast on the way
+            base = torch.zeros(list(reversed(size)), dtype=torch.float64)
+            view = base.permute(*reversed(range(len(size)))) if r == 0 else None
+            st.gather(0, view, dtype=torch.float64)
+            if view is not None:
+                assert torch.equal(view, dense.double())
+    # Other dtypes, through a permuted chunk spec and a grid and back.
+    for dtype in (torch.bool, torch.complex64, torch.bfloat16, torch.int16, torch.uint8, torch.float64):
+        dense = _dense([5, 6], dtype)
+        specs = layouts([5, 6], w)
+        st = make(dense, specs["chunk_last_permuted"])
+        for name in ("grid", "chunk1_repeated", "chunk0"):
+            check(st.reshard(specs[name]), dense, specs[name], False, f"{dtype} {name}")
+        assert torch.equal(st.full_tensor(), dense)
+    # 0-d tensors: one shard, moved between ranks.
+    scalar = torch.tensor(3.5, dtype=torch.float64)
+    here = EnumerableShardingSpec([ShardMetadata([], [], "rank:0/cpu")])
+    there = EnumerableShardingSpec([ShardMetadata([], [], f"rank:{w - 1}/cpu")])
+    st = make(scalar, here)
+    check(st.reshard(there), scalar, there, False, "0-d")
+    assert torch.equal(st.full_tensor(), scalar)
+    out = torch.zeros((), dtype=torch.float64) if r == 0 else None
+    st.gather(0, out)
+    assert out is None or torch.equal(out, scalar)
+    # A tensor with no elements.
+    empty = torch.zeros(0, 3)
+    st = make(empty, ChunkShardingSpec(0, _place(list(range(w)))))
+    st.reshard(ChunkShardingSpec(1, _place(list(range(w))[::-1])))
+    assert st.full_tensor().shape == (0, 3)
+    # Resharding to the same layout moves nothing and keeps the shard tensors.
+    spec = layouts([7, 5], w)["grid"]
+    st = make(_dense([7, 5], torch.float32), spec)
+    before = [s.tensor for s in st.local_shards()]
+    st.reshard(_grid([7, 5], {0: [1, 4], 1: [2]}, list(range(1, w)) + [0]))
+    assert all(a is b for a, b in zip([s.tensor for s in st.local_shards()], before, strict=True))
+    # With the collectives' handshake switched off (the engine skips it itself after agreeing) and back on.
+    assert g.verify
+    g.verify = False
+    st = make(_dense([7, 5], torch.float32), spec)
+    st.reshard(layouts([7, 5], w)["chunk1_repeated"])
+    check(st, _dense([7, 5], torch.float32), layouts([7, 5], w)["chunk1_repeated"], False, "verify off")
+    g.verify = True
+    st.reshard(spec)
+    assert g.verify
+    done += compare_with_torch()
+    return done
+
+
+def compare_with_torch() -> int:
+    """torch 2.13's reshard on the same inputs, where it works: one shard per rank, same sharding dim."""
+    from torch.distributed._shard.api import _shard_tensor as torch_shard
+    from torch.distributed._shard.sharding_spec import ChunkShardingSpec as TorchChunk
+
+    assert torch.distributed.is_initialized()
+    w = shardwise.get_default_group().size
+    compared = 0
+    dense = _dense([9, 4], torch.float32)
+    for src_ranks, dst_ranks in [(list(range(w)), list(range(w))[::-1]), (list(range(w))[::-1], list(range(w)))]:
+        ours = make(dense, ChunkShardingSpec(0, _place(src_ranks)))
+        theirs = torch_shard(dense, TorchChunk(0, _place(src_ranks)))
+        assert torch.equal(ours.local_tensor(), theirs.local_tensor())
+        theirs.reshard(TorchChunk(0, _place(dst_ranks)))
+        ours.reshard(ChunkShardingSpec(0, _place(dst_ranks)))
+        assert torch.equal(ours.local_tensor(), theirs.local_tensor())
+        assert ours.local_shards()[0].metadata.shard_offsets == theirs.local_shards()[0].metadata.shard_offsets
+        compared += 1
+    # Changing the sharded dim (torch over gloo: rank-ordered placements and even chunks only).
+    dense = _dense([12, 12], torch.float64)
+    ranks = list(range(w))
+    ours = make(dense, ChunkShardingSpec(0, _place(ranks)))
+    theirs = torch_shard(dense, TorchChunk(0, _place(ranks)))
+    ours.reshard(ChunkShardingSpec(1, _place(ranks)))
+    theirs.reshard(TorchChunk(1, _place(ranks)))
+    assert torch.equal(ours.local_tensor(), theirs.local_tensor())
+    return compared + 1
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_every_layout_pair(world_size: int) -> None:
+    counts = _run(every_pair, world_size)
+    assert counts == [2 * 36 + 3] * world_size
+
+
+def bad_inputs() -> dict[str, tuple[str, str]]:
+    g = shardwise.get_default_group()
+    w, r = g.size, g.rank
+    dense = _dense([7, 5], torch.float32)
+    spec = ChunkShardingSpec(0, _place(list(range(w))))
+    other = ChunkShardingSpec(1, _place(list(range(w))))
+    st = make(dense, spec)
+    seen = {
+        "spec_mismatch": _outcome(lambda: st.reshard(other if r == 1 else spec)),
+        "other_size": _outcome(lambda: st.reshard(_grid([8, 5], {0: [4]}, [0, 1]))),
+        "outside_group": _outcome(lambda: st.reshard(ChunkShardingSpec(0, _place([0, w + 2])))),
+        "not_a_spec": _outcome(lambda: st.reshard("rank:0/cpu" if r == 2 else spec)),  # type: ignore[arg-type]
+        "out_missing": _outcome(lambda: st.gather(0, None)),
+        "out_size": _outcome(lambda: st.gather(1, torch.zeros(7, 4) if r == 1 else None)),
+        "out_elsewhere": _outcome(lambda: st.gather(0, torch.zeros(7, 5))),
+        "out_dtype": _outcome(lambda: st.gather(0, torch.zeros(7, 5, dtype=torch.int32) if r == 0 else None)),
+        "dst_mismatch": _outcome(lambda: st.gather(r, torch.zeros(7, 5))),
+        "dst_outside": _outcome(lambda: st.gather(w, None)),
+        # rank 1 holds a tensor built with other metadata than its peers'
+        "layout_mismatch": _outcome(lambda: make(dense, other if r == 1 else spec).reshard(spec)),
+    }
+    # The tensor is untouched by the failures and the group is still in step.
+    assert st.sharding_spec() == spec
+    check(st, dense, spec, False, "after errors")
+    st.reshard(other)
+    check(st, dense, other, False, "after errors")
+    out = torch.zeros(7, 5, dtype=torch.float64) if r == 0 else None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        st.gather(0, out, enforce_dtype=True)
+    assert any(issubclass(c.category, FutureWarning) for c in caught)
+    assert out is None or torch.equal(out, dense.double())
+    return seen
+
+
+# On every rank: (error type, fragment).
+EXPECTED_ALL = {
+    "spec_mismatch": ("ValueError", "ranks disagree on the resharding spec: rank 0 passed {'type': 'chunk', 'dim': 0"),
+    "other_size": ("ValueError", "cannot reshard a tensor of size [7, 5] with EnumerableShardingSpec"),
+    "outside_group": ("ValueError", "is placed on rank 5, but the group has 3 rank(s)"),
+    "out_dtype": ("ValueError", "cannot write torch.float32 data into ``out`` of dtype torch.int32"),
+    "dst_mismatch": ("ValueError", "ranks disagree on the gather dst: rank 0 passed 0, rank 1 passed 1"),
+    "dst_outside": ("ValueError", "dst=3 is not a rank of the group (size 3)"),
+    "layout_mismatch": ("ValueError", "ranks disagree on the tensor's layout (digest of its metadata): rank 0 passed"),
+}
+# (culprit ranks, error type, fragment); the other ranks raise PeerError.
+EXPECTED_SOME = {
+    "not_a_spec": ({2}, "TypeError", "reshard takes a ShardingSpec, got str"),
+    "out_missing": ({0}, "ValueError", "Argument ``out`` must be specified on destination rank 0"),
+    "out_size": ({1}, "ValueError", "Argument ``out`` has size (7, 4), but should be (7, 5)"),
+    "out_elsewhere": ({1, 2}, "ValueError", "Argument ``out`` must NOT be specified on non-destination ranks"),
+}
+
+
+def test_bad_input_raises_on_every_rank() -> None:
+    results = _run(bad_inputs, 3)
+    for rank, seen in enumerate(results):
+        for case, (kind, fragment) in EXPECTED_ALL.items():
+            assert seen[case][0] == kind and fragment in seen[case][1], (rank, case, seen[case])
+        assert "rank 1 passed {'type': 'chunk', 'dim': 1" in seen["spec_mismatch"][1]
+        assert "ends at 8 in dim 0, outside the tensor of size [7, 5]" in seen["other_size"][1]
+        for case, (culprits, kind, fragment) in EXPECTED_SOME.items():
+            if rank in culprits:
+                assert seen[case][0] == kind and fragment in seen[case][1], (rank, case, seen[case])
+            else:
+                assert seen[case][0] == PeerError.__name__, (rank, case, seen[case])
+                assert f"rank {min(culprits)} ({kind})" in seen[case][1], (rank, case, seen[case])
