@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, Mapping
 
 import torch
@@ -14,10 +15,19 @@ from shardwise.testing import run_ranks
 
 from conftest import RANK_ENV
 
+#: The backend the multi-rank tests run on. By default the test-only gloo
+#: backend (tox env ``core`` has no backend plugin); ``SHARDWISE_TEST_BACKEND=mpi``
+#: (tox env ``mpi``) runs the same tests over the MPI plugin, launched by ``mpiexec``.
+#: Read at import: the autouse fixture clears ``SHARDWISE_*`` for each test.
+TEST_BACKEND = os.environ.get("SHARDWISE_TEST_BACKEND", "test-gloo")
+
 
 def run(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
     """``fn(*args)`` on ``world_size`` ranks over the test backend; every rank's return value."""
-    return run_ranks(fn, world_size, backend="test-gloo", args=args, env=RANK_ENV, timeout=120)
+    if TEST_BACKEND == "test-gloo":
+        return run_ranks(fn, world_size, backend="test-gloo", args=args, env=RANK_ENV, timeout=120)
+    launcher = "mpiexec" if TEST_BACKEND == "mpi" else "spawn"
+    return run_ranks(fn, world_size, backend=TEST_BACKEND, args=args, launcher=launcher, timeout=120)
 
 
 def outcome(fn: Callable[[], Any]) -> tuple[str, str]:

@@ -9,6 +9,6 @@ passes. It never hangs the test suite.
 
 from __future__ import annotations
 
-from shardwise.testing._harness import RankError, current_rank_dir, run_ranks
+from shardwise.testing._harness import RankError, current_rank_dir, find_mpiexec, run_ranks
 
-__all__ = ["RankError", "current_rank_dir", "run_ranks"]
+__all__ = ["RankError", "current_rank_dir", "find_mpiexec", "run_ranks"]

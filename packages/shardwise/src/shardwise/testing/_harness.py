@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
@@ -111,8 +112,9 @@ def run_ranks(
             little under ``timeout`` so ranks report their own errors first.
         env: Extra environment variables for every rank.
         launcher: ``"spawn"`` (one process per rank, torchrun's variables
-            set by the harness) or ``"torchrun"`` (a real
-            ``python -m torch.distributed.run``).
+            set by the harness), ``"torchrun"`` (a real
+            ``python -m torch.distributed.run``) or ``"mpiexec"`` (a real
+            ``mpiexec -n world_size``, see :func:`find_mpiexec`).
 
     Returns:
         Every rank's return value, in rank order.
@@ -123,8 +125,8 @@ def run_ranks(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if launcher not in ("spawn", "torchrun"):
-        raise ValueError(f"launcher must be 'spawn' or 'torchrun', got {launcher!r}")
+    if launcher not in ("spawn", "torchrun", "mpiexec"):
+        raise ValueError(f"launcher must be 'spawn', 'torchrun' or 'mpiexec', got {launcher!r}")
     module, qualname = _fn_ref(fn)
     if init_timeout is None:
         init_timeout = max(timeout * 0.75, timeout - 15.0)
@@ -168,11 +170,17 @@ def run_ranks(
                     }
                 )
                 procs.append(_popen(worker, rank_env, workdir / f"launcher_{rank}.txt"))
-        else:
+        elif launcher == "torchrun":
             cmd = [
                 sys.executable, "-m", "torch.distributed.run", "--standalone",
                 f"--nproc-per-node={world_size}", *worker[1:],
             ]
+            procs = [_popen(cmd, base_env, workdir / "launcher.txt")]
+        else:
+            # Open MPI refuses to start as root without these; MPICH ignores them.
+            base_env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+            base_env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+            cmd = [find_mpiexec(), "-n", str(world_size), *worker]
             procs = [_popen(cmd, base_env, workdir / "launcher.txt")]
         try:
             return _wait(procs, world_size, workdir, timeout)
@@ -180,6 +188,28 @@ def run_ranks(
             for proc in procs:
                 _kill(proc)
             del store
+
+
+def find_mpiexec() -> str:
+    """The ``mpiexec`` to launch with: ``$SHARDWISE_MPIEXEC``, the one beside this Python, else PATH's.
+
+    Raises:
+        FileNotFoundError: none is found (``pip install shardwise-mpi[mpich]``
+            installs one into the environment).
+    """
+    explicit = os.environ.get("SHARDWISE_MPIEXEC")
+    if explicit:
+        return explicit
+    beside = Path(sys.executable).parent / "mpiexec"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("mpiexec") or shutil.which("mpirun")
+    if found is None:
+        raise FileNotFoundError(
+            "no mpiexec found (looked at $SHARDWISE_MPIEXEC, beside the Python executable and on PATH); "
+            "`pip install shardwise-mpi[mpich]` installs one"
+        )
+    return found
 
 
 def _popen(cmd: list[str], env: Mapping[str, str], log: Path) -> subprocess.Popen[bytes]:
