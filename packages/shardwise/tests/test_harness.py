@@ -103,3 +103,26 @@ def test_concurrent_runs_never_share_a_port() -> None:
         runs = [pool.submit(run_ranks, report, 2, backend="test-gloo", args=(str(i),), env=RANK_ENV, timeout=90) for i in range(3)]
         outcomes = [run.result() for run in runs]
     assert [[r["tag"] for r in results] for results in outcomes] == [["0", "0"], ["1", "1"], ["2", "2"]]
+
+
+def _mpi_rank_and_size() -> tuple[str, str]:
+    import os
+
+    return os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "?")), os.environ.get(
+        "PMI_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE", "?")
+    )
+
+
+def test_mpiexec_launcher_starts_every_rank() -> None:
+    from shardwise.testing import find_mpiexec
+
+    try:
+        find_mpiexec()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    assert run_ranks(_mpi_rank_and_size, 2, backend=None, launcher="mpiexec", timeout=60) == [("0", "2"), ("1", "2")]
+
+
+def test_unknown_launcher_is_refused() -> None:
+    with pytest.raises(ValueError, match="launcher must be 'spawn', 'torchrun' or 'mpiexec'"):
+        run_ranks(_mpi_rank_and_size, 1, launcher="srun")
