@@ -126,8 +126,8 @@ def test_readme_sharded_tensor_example_under_torchrun() -> None:
     result = torchrun(PROGRAMS / "sharded_readme.py")
     assert result.returncode == 0, f"torchrun exited {result.returncode}; output:\n{result.stdout}"
     for line in (
-        "rank 0: ShardedTensor [7, 4], local rows [4, 4]",
-        "rank 1: ShardedTensor [7, 4], local rows [3, 4]",
+        "rank 0 (gloo): ShardedTensor [7, 4], local rows [4, 4]",
+        "rank 1 (gloo): ShardedTensor [7, 4], local rows [3, 4]",
         "rank 1: after reshard, local columns [7, 2]",
         "rank 0: gathered tensor equals the dense computation",
     ):

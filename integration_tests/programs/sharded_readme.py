@@ -15,7 +15,7 @@ dense = model.weight.detach().clone()
 rows = ChunkShardingSpec(dim=0, placements=[f"rank:{r}/cpu" for r in range(size)])
 shard_parameter(model, "weight", rows)  # rank 0's weight, scattered by rows
 w = model.weight  # a ShardedTensor, and still an nn.Parameter
-print(f"rank {rank}: {type(w).__name__} {list(w.size())}, local rows {list(w.local_tensor().shape)}")
+print(f"rank {rank} ({group.backend}): {type(w).__name__} {list(w.size())}, local rows {list(w.local_tensor().shape)}")
 
 y = torch.relu(w * 2 - 1)  # pointwise ops run on the local shards, with autograd
 cols = ChunkShardingSpec(dim=1, placements=[f"rank:{r}/cpu" for r in reversed(range(size))])

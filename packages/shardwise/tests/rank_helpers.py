@@ -21,13 +21,19 @@ from conftest import RANK_ENV
 #: Read at import: the autouse fixture clears ``SHARDWISE_*`` for each test.
 TEST_BACKEND = os.environ.get("SHARDWISE_TEST_BACKEND", "test-gloo")
 
+#: Whether ranks also have a torch process group, which comparisons with
+#: torch 2.13's ``_shard`` need (the MPI backend has none).
+HAS_TORCH_PG = TEST_BACKEND == "test-gloo"
+
 
 def run(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
     """``fn(*args)`` on ``world_size`` ranks over the test backend; every rank's return value."""
     if TEST_BACKEND == "test-gloo":
         return run_ranks(fn, world_size, backend="test-gloo", args=args, env=RANK_ENV, timeout=120)
     launcher = "mpiexec" if TEST_BACKEND == "mpi" else "spawn"
-    return run_ranks(fn, world_size, backend=TEST_BACKEND, args=args, launcher=launcher, timeout=120)
+    # The ranks import this module too and must see the same backend.
+    env = {"SHARDWISE_TEST_BACKEND": TEST_BACKEND}
+    return run_ranks(fn, world_size, backend=TEST_BACKEND, args=args, env=env, launcher=launcher, timeout=120)
 
 
 def outcome(fn: Callable[[], Any]) -> tuple[str, str]:

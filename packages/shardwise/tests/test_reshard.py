@@ -19,6 +19,7 @@ from shardwise.errors import PeerError
 from shardwise.sharded_tensor import Shard, ShardMetadata, ShardedTensor, TensorProperties
 from shardwise.sharding_spec import ChunkShardingSpec, EnumerableShardingSpec, ShardingSpec
 
+from rank_helpers import HAS_TORCH_PG
 from rank_helpers import box as _box
 from rank_helpers import outcome as _outcome
 from rank_helpers import run as _run
@@ -169,7 +170,8 @@ def compare_with_torch() -> int:
     from torch.distributed._shard.api import _shard_tensor as torch_shard
     from torch.distributed._shard.sharding_spec import ChunkShardingSpec as TorchChunk
 
-    assert torch.distributed.is_initialized()
+    if not torch.distributed.is_initialized():
+        return 0  # torch's _shard needs a torch process group; the mpi backend has none
     w = shardwise.get_default_group().size
     compared = 0
     dense = _dense([9, 4], torch.float32)
@@ -196,7 +198,7 @@ def compare_with_torch() -> int:
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_every_layout_pair(world_size: int) -> None:
     counts = _run(every_pair, world_size)
-    assert counts == [2 * 36 + 3] * world_size
+    assert counts == [2 * 36 + (3 if HAS_TORCH_PG else 0)] * world_size
 
 
 def bad_inputs() -> dict[str, tuple[str, str]]:

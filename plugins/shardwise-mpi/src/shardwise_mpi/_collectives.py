@@ -1,0 +1,382 @@
+"""The one implementation of each collective over an mpi4py communicator.
+
+Both the shardwise :class:`~shardwise_mpi._group.MpiGroup` and the
+``torch.distributed`` backend (``_c10d.py``) call these functions, so a
+collective is written (and fixed) once. Every function is blocking, must be
+called by every rank of ``comm`` in the same order, and takes torch tensors:
+
+==============================================================  ==============================================
+``barrier(comm)``                                               block until every rank arrives
+``bcast(comm, tensor, root)``                                   overwrite ``tensor`` with root's, in place
+``allreduce(comm, tensor, op)``                                 reduce ``tensor`` in place
+``allgatherv(comm, out, inp, counts)``                          ``out`` = every rank's ``inp`` in rank order
+``reduce_scatter(comm, out, inp, counts, op)``                  ``out`` = this rank's chunk of the reduced ``inp``
+``alltoallv(comm, out, out_counts, inp, in_counts)``            send ``in_counts[r]`` elements to rank r
+``gatherv(comm, out, inp, counts, root)``                       ``out`` on root = every ``inp`` in rank order
+``scatterv(comm, out, inp, counts, root)``                      ``out`` on rank r = chunk r of root's ``inp``
+==============================================================  ==============================================
+
+Conventions:
+
+* ``counts`` are numbers of *elements* (of the tensors' dtype), one per rank
+  of ``comm``; ``out`` and ``inp`` are read as flat arrays (any shape, any
+  layout). ``inp`` and ``out`` of one call have the same dtype.
+* ``op`` is one of :data:`REDUCE_OPS` (``"sum"``, ``"avg"``, ``"min"``,
+  ``"max"``, ``"product"``, and the bitwise ``"band"``, ``"bor"``,
+  ``"bxor"``; ``"prod"`` and ``"mean"`` are accepted aliases).
+* Zero-copy: a contiguous CPU tensor is handed to MPI as its own memory
+  (``MPI.buffer.fromaddress``, so bfloat16 and every other dtype works without
+  a numpy dtype). A non-contiguous or requires-grad input is made contiguous
+  and detached first (mpi4py would otherwise send the raw storage of a
+  transposed tensor); a non-contiguous output is filled through a staging
+  buffer and copied back.
+* Data movement sends bytes (``MPI.BYTE``), so every dtype travels.
+  Reductions use the matching MPI datatype; float16, bfloat16 and complex32
+  are reduced in float32/complex64 and cast back; bool reduces as logical
+  or (sum, max) / and (min, product).
+* CUDA tensors go to MPI directly when the library is CUDA-aware
+  (``MPIX_Query_cuda_support``; the current stream is synchronised first),
+  otherwise they are staged through host memory and copied back.
+
+Raises (every function): ``TypeError`` for an op undefined on the dtype
+(avg of integers, min of complex) and ``ValueError`` for counts that do not
+fit the buffers. Both are raised before any data moves, from local
+information only; callers that need every rank to fail together check first.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from mpi4py import MPI
+
+__all__ = [
+    "REDUCE_OPS",
+    "allgatherv",
+    "allreduce",
+    "alltoallv",
+    "barrier",
+    "bcast",
+    "cuda_aware",
+    "gatherv",
+    "mpi_datatype",
+    "reduce_scatter",
+    "reduction_dtype",
+    "scatterv",
+]
+
+REDUCE_OPS: tuple[str, ...] = ("sum", "avg", "min", "max", "product", "band", "bor", "bxor")
+_ALIASES = {"prod": "product", "mean": "avg", "add": "sum"}
+
+_MPI_OPS = {
+    "sum": MPI.SUM,
+    "avg": MPI.SUM,
+    "min": MPI.MIN,
+    "max": MPI.MAX,
+    "product": MPI.PROD,
+    "band": MPI.BAND,
+    "bor": MPI.BOR,
+    "bxor": MPI.BXOR,
+}
+# MPI defines only logical ops on C_BOOL; on {0, 1} sum/max are "or", min/product "and".
+_BOOL_OPS = {
+    "sum": MPI.LOR,
+    "max": MPI.LOR,
+    "min": MPI.LAND,
+    "product": MPI.LAND,
+    "band": MPI.LAND,
+    "bor": MPI.LOR,
+    "bxor": MPI.LXOR,
+}
+
+_DATATYPES: dict[torch.dtype, Any] = {
+    torch.float64: MPI.DOUBLE,
+    torch.float32: MPI.FLOAT,
+    torch.int8: MPI.INT8_T,
+    torch.int16: MPI.INT16_T,
+    torch.int32: MPI.INT32_T,
+    torch.int64: MPI.INT64_T,
+    torch.uint8: MPI.UINT8_T,
+    torch.uint16: MPI.UINT16_T,
+    torch.uint32: MPI.UINT32_T,
+    torch.uint64: MPI.UINT64_T,
+    torch.bool: MPI.C_BOOL,
+    torch.complex64: MPI.C_FLOAT_COMPLEX,
+    torch.complex128: MPI.C_DOUBLE_COMPLEX,
+}
+# Dtypes MPI has no datatype for: reduced in a wider one and cast back.
+_UPCAST = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.complex32: torch.complex64}
+
+
+def normalize_op(op: Any) -> str:
+    """``"sum"``, ``"PROD"``, ``ReduceOp.MAX`` ... as one of :data:`REDUCE_OPS`.
+
+    Raises:
+        ValueError: not a reduction this module implements.
+    """
+    name = op.lower() if isinstance(op, str) else str(getattr(op, "name", op)).rsplit(".", 1)[-1].lower()
+    name = _ALIASES.get(name, name)
+    if name not in REDUCE_OPS:
+        raise ValueError(f"unsupported reduce op {op!r}; use one of {', '.join(REDUCE_OPS)}")
+    return name
+
+
+def reduction_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype ``dtype`` tensors are reduced in (itself, or float32/complex64 for half types).
+
+    Raises:
+        TypeError: no MPI datatype can reduce it (float8, quantized ...).
+    """
+    wide = _UPCAST.get(dtype, dtype)
+    if wide not in _DATATYPES:
+        raise TypeError(f"MPI cannot reduce {dtype} tensors; cast to a float or integer dtype first")
+    return wide
+
+
+def mpi_datatype(dtype: torch.dtype) -> Any:
+    """The MPI datatype of ``dtype`` elements (``KeyError`` if MPI has none)."""
+    return _DATATYPES[dtype]
+
+
+def _check_op(dtype: torch.dtype, name: str) -> None:
+    if name == "avg" and not (dtype.is_floating_point or dtype.is_complex):
+        raise TypeError(f"avg of {dtype} tensors would truncate; reduce with sum and divide yourself")
+    if dtype.is_complex and name not in ("sum", "avg", "product"):
+        raise TypeError(f"{name} of complex tensors is not defined; only sum, avg and product are")
+    if name in ("band", "bor", "bxor") and (dtype.is_floating_point or dtype.is_complex):
+        raise TypeError(f"bitwise {name} needs an integer or bool tensor, got {dtype}")
+
+
+@functools.lru_cache(maxsize=1)
+def cuda_aware() -> bool:
+    """Whether the MPI library takes CUDA device pointers (``MPIX_Query_cuda_support``).
+
+    mpi4py has no wrapper for this extension, so it is looked up in the
+    already-loaded libmpi; a library without it is not CUDA-aware.
+    """
+    if not torch.cuda.is_available():
+        return False
+    names = [None, "libmpi.so.12", "libmpi.so.40", "libmpi.so", ctypes.util.find_library("mpi")]
+    for name in names:
+        try:
+            lib = ctypes.CDLL(name)
+            query = lib.MPIX_Query_cuda_support
+        except (OSError, AttributeError, TypeError):
+            continue
+        query.restype = ctypes.c_int
+        return bool(query())
+    return False
+
+
+def _buffer(t: torch.Tensor, readonly: bool = False) -> Any:
+    """The memory of a contiguous tensor as a buffer MPI reads or writes in place."""
+    nbytes = t.numel() * t.element_size()
+    return MPI.buffer.fromaddress(t.data_ptr() if nbytes else 0, nbytes, readonly=readonly)
+
+
+def _movable(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" or (t.device.type == "cuda" and cuda_aware())
+
+
+def _source(t: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Contiguous, detached form of an input that MPI can read (shares memory when possible)."""
+    src = t.detach().resolve_conj().resolve_neg()
+    if not _movable(src):
+        src = src.cpu()
+    if dtype is not None and src.dtype != dtype:
+        src = src.to(dtype)
+    src = src.contiguous()
+    if src.is_cuda:
+        # MPI reads device memory outside torch's streams: queued kernels must finish first.
+        torch.cuda.current_stream(src.device).synchronize()
+    return src
+
+
+def _target(t: torch.Tensor, dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, Callable[[], None]]:
+    """A contiguous buffer MPI writes for output ``t``, and a function that puts it into ``t``.
+
+    The buffer is ``t``'s own memory when ``t`` is contiguous, movable and of
+    ``dtype``; otherwise a staging copy (holding ``t``'s current values, as
+    in-place collectives read it too).
+    """
+    out = t.detach()
+    if _movable(out) and out.is_contiguous() and (dtype is None or out.dtype == dtype) and not out.is_conj():
+        if out.is_cuda:
+            torch.cuda.current_stream(out.device).synchronize()
+        return out, lambda: None
+    work = _source(out, dtype)
+    if work.data_ptr() == out.data_ptr() and work.numel():
+        work = work.clone()
+
+    def finish() -> None:
+        out.copy_(work.view(out.shape) if work.dtype == out.dtype else work.view(out.shape).to(out.dtype))
+
+    return work, finish
+
+
+def _byte_layout(counts: Sequence[int], itemsize: int) -> tuple[list[int], list[int]]:
+    sizes = [int(c) * itemsize for c in counts]
+    displs, offset = [], 0
+    for s in sizes:
+        displs.append(offset)
+        offset += s
+    return sizes, displs
+
+
+def _check_counts(comm: Any, counts: Sequence[int], what: str) -> None:
+    if len(counts) != comm.Get_size():
+        raise ValueError(f"{what} has {len(counts)} entries but the communicator has {comm.Get_size()} ranks")
+    if any(int(c) < 0 for c in counts):
+        raise ValueError(f"{what} must be non-negative, got {list(counts)}")
+
+
+def _check_numel(t: torch.Tensor, expected: int, what: str) -> None:
+    if t.numel() != expected:
+        raise ValueError(f"{what} has {t.numel()} elements but the counts need {expected}")
+
+
+def barrier(comm: Any) -> None:
+    """Block until every rank of ``comm`` has called it."""
+    comm.Barrier()
+
+
+def bcast(comm: Any, tensor: torch.Tensor, root: int) -> torch.Tensor:
+    """Overwrite ``tensor`` on every rank with ``root``'s, in place; returns ``tensor``."""
+    work, finish = _target(tensor)
+    comm.Bcast([_buffer(work), work.numel() * work.element_size(), MPI.BYTE], root=root)
+    finish()
+    return tensor
+
+
+def allreduce(comm: Any, tensor: torch.Tensor, op: Any = "sum") -> torch.Tensor:
+    """Reduce ``tensor`` across ``comm`` in place with ``op``; returns ``tensor``."""
+    name = normalize_op(op)
+    _check_op(tensor.dtype, name)
+    kind = reduction_dtype(tensor.dtype)
+    work, finish = _target(tensor, kind)
+    mpi_op = _BOOL_OPS[name] if kind == torch.bool else _MPI_OPS[name]
+    comm.Allreduce(MPI.IN_PLACE, [_buffer(work), work.numel(), _DATATYPES[kind]], op=mpi_op)
+    if name == "avg":
+        work.div_(comm.Get_size())
+    finish()
+    return tensor
+
+
+def allgatherv(comm: Any, out: torch.Tensor, inp: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+    """Fill ``out`` with every rank's ``inp`` in rank order (``counts[r]`` elements from rank r)."""
+    _check_counts(comm, counts, "counts")
+    _check_numel(inp, int(counts[comm.Get_rank()]), "inp")
+    _check_numel(out, sum(int(c) for c in counts), "out")
+    src = _source(inp, out.dtype)
+    work, finish = _target(out)
+    item = work.element_size()
+    if all(int(c) == int(counts[0]) for c in counts):
+        n = int(counts[0]) * item
+        comm.Allgather([_buffer(src, True), n, MPI.BYTE], [_buffer(work), n, MPI.BYTE])
+    else:
+        sizes, displs = _byte_layout(counts, item)
+        comm.Allgatherv(
+            [_buffer(src, True), sizes[comm.Get_rank()], MPI.BYTE], [_buffer(work), (sizes, displs), MPI.BYTE]
+        )
+    finish()
+    return out
+
+
+def reduce_scatter(
+    comm: Any, out: torch.Tensor, inp: torch.Tensor, counts: Sequence[int], op: Any = "sum"
+) -> torch.Tensor:
+    """Reduce ``inp`` (per-rank chunks of ``counts`` elements) and keep this rank's chunk in ``out``."""
+    name = normalize_op(op)
+    _check_op(inp.dtype, name)
+    _check_counts(comm, counts, "counts")
+    _check_numel(inp, sum(int(c) for c in counts), "inp")
+    _check_numel(out, int(counts[comm.Get_rank()]), "out")
+    kind = reduction_dtype(inp.dtype)
+    src = _source(inp, kind)
+    work, finish = _target(out, kind)
+    dt = _DATATYPES[kind]
+    mpi_op = _BOOL_OPS[name] if kind == torch.bool else _MPI_OPS[name]
+    sizes = [int(c) for c in counts]
+    if all(c == sizes[0] for c in sizes):
+        # mpi4py reads an explicit send count of Reduce_scatter_block as the per-rank block.
+        comm.Reduce_scatter_block([_buffer(src, True), sizes[0], dt], [_buffer(work), sizes[0], dt], op=mpi_op)
+    else:
+        comm.Reduce_scatter(
+            [_buffer(src, True), src.numel(), dt], [_buffer(work), work.numel(), dt], recvcounts=sizes, op=mpi_op
+        )
+    if name == "avg":
+        work.div_(comm.Get_size())
+    finish()
+    return out
+
+
+def alltoallv(
+    comm: Any, out: torch.Tensor, out_counts: Sequence[int], inp: torch.Tensor, in_counts: Sequence[int]
+) -> torch.Tensor:
+    """Send ``in_counts[r]`` elements of ``inp`` to rank r; receive ``out_counts[r]`` from it into ``out``."""
+    _check_counts(comm, in_counts, "in_counts")
+    _check_counts(comm, out_counts, "out_counts")
+    _check_numel(inp, sum(int(c) for c in in_counts), "inp")
+    _check_numel(out, sum(int(c) for c in out_counts), "out")
+    src = _source(inp, out.dtype)
+    work, finish = _target(out)
+    item = work.element_size()
+    send = _byte_layout(in_counts, item)
+    recv = _byte_layout(out_counts, item)
+    comm.Alltoallv([_buffer(src, True), send, MPI.BYTE], [_buffer(work), recv, MPI.BYTE])
+    finish()
+    return out
+
+
+def gatherv(
+    comm: Any, out: Optional[torch.Tensor], inp: torch.Tensor, counts: Sequence[int], root: int
+) -> Optional[torch.Tensor]:
+    """Concatenate every rank's ``inp`` (``counts[r]`` elements from rank r) into ``out`` on ``root``.
+
+    ``out`` is ignored (may be None) on the other ranks.
+    """
+    _check_counts(comm, counts, "counts")
+    _check_numel(inp, int(counts[comm.Get_rank()]), "inp")
+    src = _source(inp)
+    item = src.element_size()
+    sendbuf = [_buffer(src, True), src.numel() * item, MPI.BYTE]
+    if comm.Get_rank() != root:
+        comm.Gatherv(sendbuf, None, root=root)
+        return out
+    if out is None:
+        raise ValueError("gatherv: the root must pass an output tensor")
+    _check_numel(out, sum(int(c) for c in counts), "out")
+    if out.dtype != inp.dtype:
+        raise ValueError(f"gatherv: out is {out.dtype} but inp is {inp.dtype}")
+    work, finish = _target(out)
+    comm.Gatherv(sendbuf, [_buffer(work), _byte_layout(counts, item), MPI.BYTE], root=root)
+    finish()
+    return out
+
+
+def scatterv(
+    comm: Any, out: torch.Tensor, inp: Optional[torch.Tensor], counts: Sequence[int], root: int
+) -> torch.Tensor:
+    """Send chunk r (``counts[r]`` elements) of ``root``'s ``inp`` to ``out`` on rank r.
+
+    ``inp`` is ignored (may be None) on the other ranks.
+    """
+    _check_counts(comm, counts, "counts")
+    _check_numel(out, int(counts[comm.Get_rank()]), "out")
+    work, finish = _target(out)
+    item = work.element_size()
+    recvbuf = [_buffer(work), work.numel() * item, MPI.BYTE]
+    if comm.Get_rank() == root:
+        if inp is None:
+            raise ValueError("scatterv: the root must pass an input tensor")
+        _check_numel(inp, sum(int(c) for c in counts), "inp")
+        src = _source(inp, out.dtype)
+        comm.Scatterv([_buffer(src, True), _byte_layout(counts, item), MPI.BYTE], recvbuf, root=root)
+    else:
+        comm.Scatterv(None, recvbuf, root=root)
+    finish()
+    return out
