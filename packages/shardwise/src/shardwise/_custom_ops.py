@@ -108,6 +108,23 @@ def custom_sharding_spec_op(sharding_spec_class: type, func: Any) -> Callable[[I
     return decorator
 
 
+def _prologue(
+    op: Any,
+    args: Any,
+    kwargs: dict[str, Any],
+    early_stop_func: Optional[Callable[..., bool]],
+    extra_check: Optional[Callable[..., None]],
+) -> tuple[ShardedTensor, bool]:
+    """The ShardedTensor argument, after the checks; True when ``early_stop_func`` says to return it as is."""
+    from shardwise.sharded_tensor import ShardedTensor
+
+    if not args or not isinstance(args[0], ShardedTensor):
+        raise TypeError(f"{getattr(op, '__name__', op)} expects a ShardedTensor as its first argument")
+    if extra_check is not None:
+        extra_check(*args, **kwargs)
+    return args[0], early_stop_func is not None and bool(early_stop_func(*args, **kwargs))
+
+
 def local_shards_op(
     op: Any,
     early_stop_func: Optional[Callable[..., bool]] = None,
@@ -134,12 +151,8 @@ def local_shards_op(
         from shardwise.sharded_tensor import Shard, ShardedTensor
 
         kwargs = kwargs or {}
-        if not args or not isinstance(args[0], ShardedTensor):
-            raise TypeError(f"{getattr(op, '__name__', op)} expects a ShardedTensor as its first argument")
-        st: ShardedTensor = args[0]
-        if extra_check is not None:
-            extra_check(*args, **kwargs)
-        if early_stop_func is not None and early_stop_func(*args, **kwargs):
+        st, stop = _prologue(op, args, kwargs, early_stop_func, extra_check)
+        if stop:
             return st
         if customized_func is not None:
             new_shards, metadata = customized_func(args, kwargs, process_group)
@@ -202,12 +215,8 @@ def local_tensor_op(
         from shardwise.sharded_tensor import ShardedTensor
 
         kwargs = kwargs or {}
-        if not args or not isinstance(args[0], ShardedTensor):
-            raise TypeError(f"{getattr(op, '__name__', op)} expects a ShardedTensor as its first argument")
-        st: ShardedTensor = args[0]
-        if extra_check is not None:
-            extra_check(*args, **kwargs)
-        if early_stop_func is not None and early_stop_func(*args, **kwargs):
+        st, stop = _prologue(op, args, kwargs, early_stop_func, extra_check)
+        if stop:
             return st
         shards = st.local_shards()
         if len(shards) > 1:
