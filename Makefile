@@ -16,10 +16,10 @@ DEV_TOOLS := tox ruff mypy pytest pytest-timeout hypothesis numpy
 INSTALL_INPUTS := constraints.txt $(wildcard packages/*/pyproject.toml plugins/*/pyproject.toml)
 STAMP := $(VENV)/.install-stamp
 
-LINT_PATHS := packages plugins integration_tests
+LINT_PATHS := packages plugins integration_tests benchmarks
 MYPY_PATHS := packages/shardwise/src/shardwise
 
-.PHONY: install test lint clean distclean
+.PHONY: install test lint bench-mpi clean distclean
 
 install: $(STAMP)
 
@@ -35,6 +35,11 @@ $(STAMP): $(BIN)/python $(INSTALL_INPUTS)
 # makes timeouts likelier. Pass options with TOX_ARGS (TOX_ARGS="-e core").
 test: install
 	$(BIN)/tox $(TOX_ARGS)
+
+# Group collectives over MPI vs raw mpi4py (and over gloo), 2 ranks; writes
+# benchmarks/results/mpi_collectives.md. Not part of `make test`.
+bench-mpi: install
+	$(BIN)/mpiexec -n 2 $(BIN)/python benchmarks/mpi_collectives.py
 
 # Both checkers always run; the target fails if either found something.
 lint: install

@@ -8,6 +8,7 @@ and backend selection must not initialise MPI. MPI is initialised only in
 from __future__ import annotations
 
 import sys
+import time
 from datetime import timedelta
 from types import TracebackType
 from typing import Iterable, Optional
@@ -60,6 +61,9 @@ def install_abort_hook() -> None:
             previous(kind, value, tb)
             sys.stdout.flush()
             sys.stderr.flush()
+            # MPI_Abort kills the job at once; give the process manager a moment
+            # to forward the traceback's last lines (they were lost without it).
+            time.sleep(0.5)
         finally:
             MPI.COMM_WORLD.Abort(1)
 
