@@ -20,8 +20,9 @@ def _equal(actual: torch.Tensor, expected: torch.Tensor) -> None:
     assert torch.equal(actual, expected), (actual, expected)
 
 
-def battery() -> str:
+def battery(verify: bool) -> str:
     g = shardwise.get_default_group()
+    g.verify = verify
     r, w = g.rank, g.size
     ranks = range(w)
 
@@ -114,9 +115,121 @@ def battery() -> str:
     return "ok"
 
 
+@pytest.mark.parametrize("verify", [True, False], ids=["verify", "no-verify"])
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_collectives(world_size: int) -> None:
-    assert _run(battery, world_size) == ["ok"] * world_size
+def test_collectives(world_size: int, verify: bool) -> None:
+    # Without the handshake backends may take direct paths (MPI does): same results.
+    assert _run(battery, world_size, verify) == ["ok"] * world_size
+
+
+_OUT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.uint8, torch.bool, torch.complex64)
+
+
+def out_battery(verify: bool) -> str:
+    """The ``out=`` forms and in-place inputs, for every dtype, contiguous or not."""
+    g = shardwise.get_default_group()
+    g.verify = verify
+    r, w = g.rank, g.size
+
+    def value(rank: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+        base = torch.arange(n, dtype=torch.float64) + 10 * rank + 1
+        if dtype == torch.bool:
+            return (base.long() % 2 == 1)
+        if dtype.is_complex:
+            return torch.complex(base, -base).to(dtype)
+        return base.to(dtype)
+
+    for dtype in _OUT_DTYPES:
+        # all_gather into a contiguous buffer, into a transposed one, and 0-d pieces.
+        mine = value(r, 6, dtype).reshape(3, 2)
+        out = torch.zeros(3 * w, 2, dtype=dtype)
+        pieces = g.all_gather(mine, out=out)
+        expected = torch.cat([value(s, 6, dtype).reshape(3, 2) for s in range(w)])
+        _equal(out, expected)
+        assert len(pieces) == w and all(p.data_ptr() == out[3 * s].data_ptr() for s, p in enumerate(pieces))
+        strided = torch.zeros(2, 3 * w, dtype=dtype).t()
+        g.all_gather(mine, out=strided)
+        _equal(strided.contiguous(), expected)
+        scalars = torch.zeros(w, dtype=dtype)
+        got = g.all_gather(value(r, 1, dtype)[0], out=scalars)
+        assert [x.shape for x in got] == [torch.Size([])] * w
+        _equal(scalars, torch.stack([value(s, 1, dtype)[0] for s in range(w)]))
+
+        # all_to_all_single into out, equal split derived from out.
+        data = value(r, 4 * w, dtype).reshape(2 * w, 2)
+        recv = torch.zeros(2 * w, 2, dtype=dtype)
+        assert g.all_to_all_single(data, out=recv) is recv
+        _equal(recv, torch.cat([value(s, 4 * w, dtype).reshape(2 * w, 2)[2 * r:2 * r + 2] for s in range(w)]))
+
+        # reduce_scatter from consecutive views of one tensor: read in place, never written.
+        if dtype == torch.bool:
+            continue
+        whole = value(r, 2 * w * (w + 1) // 2, dtype)
+        before = whole.clone()
+        chunks = list(whole.split([2 * (s + 1) for s in range(w)]))
+        total = sum(value(s, whole.numel(), dtype) for s in range(w))
+        assert isinstance(total, torch.Tensor)
+        mine_total = total.split([2 * (s + 1) for s in range(w)])[r]
+        _equal(g.reduce_scatter(chunks), mine_total.to(dtype))
+        into = torch.zeros(2 * (r + 1), dtype=dtype)
+        assert g.reduce_scatter(chunks, out=into) is into
+        _equal(into, mine_total.to(dtype))
+        _equal(whole, before)
+
+    # reduce_scatter into a non-contiguous out; avg and max through the direct path.
+    whole = torch.arange(4.0 * w).reshape(2 * w, 2) + r
+    rows = list(whole.split(2))
+    into = torch.zeros(2, 2).t()
+    g.reduce_scatter(rows, op="avg", out=into)
+    assert not into.is_contiguous()
+    _equal(into.contiguous(), torch.arange(4.0 * r, 4.0 * r + 4).reshape(2, 2) + (w - 1) / 2)
+    _equal(g.reduce_scatter(rows, op=torch.distributed.ReduceOp.MAX), torch.arange(4.0 * r, 4.0 * r + 4).reshape(2, 2) + w - 1)
+    # all_reduce of a tensor carrying the lazy negation bit of a conjugate's imaginary part.
+    z = torch.complex(torch.ones(3), torch.full((3,), float(r + 1)))
+    neg = z.conj().imag
+    assert neg.is_neg()
+    _equal(g.all_reduce(neg), torch.full((3,), -float(sum(range(1, w + 1)))))
+    g.verify = True
+    g.barrier()
+    return "ok"
+
+
+@pytest.mark.parametrize("verify", [True, False], ids=["verify", "no-verify"])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_out_buffers(world_size: int, verify: bool) -> None:
+    assert _run(out_battery, world_size, verify) == ["ok"] * world_size
+
+
+def bad_out() -> dict[str, tuple[str, str]]:
+    g = shardwise.get_default_group()
+    r, w = g.rank, g.size
+    seen = {
+        "gather_shape": _attempt(lambda: g.all_gather(torch.ones(2), out=torch.empty(2 * w + (r == 1)))),
+        "gather_dtype": _attempt(lambda: g.all_gather(torch.ones(2), out=torch.empty(2 * w, dtype=torch.float64 if r == 0 else torch.float32))),
+        "gather_rows": _attempt(lambda: g.all_gather(torch.ones(1 + r), out=torch.empty((1 + r) * w))),
+        "rs_shape": _attempt(lambda: g.reduce_scatter([torch.ones(2)] * w, out=torch.empty(3 if r == 1 else 2))),
+        "a2a_split": _attempt(lambda: g.all_to_all_single(torch.ones(2 * w), out=torch.empty(2 * w + (r == 0)))),
+        "a2a_trailing": _attempt(lambda: g.all_to_all_single(torch.ones(w, 2), out=torch.empty(w, 3 if r == 1 else 2))),
+    }
+    seen["after"] = ("ok", str(g.all_reduce(torch.ones(1)).item()))
+    return seen
+
+
+def test_bad_out_raises_on_every_rank() -> None:
+    results = _run(bad_out, 2)
+    check_errors(
+        results,
+        {"gather_rows": ("CollectiveMismatchError", "ranks disagree on the number of rows (all_gather with out= needs equal sizes)")},
+        {
+            "gather_shape": (1, "ValueError", "out has shape (5,) but the result has shape (4,)"),
+            "gather_dtype": (0, "TypeError", "out is torch.float64 but the result is torch.float32"),
+            "rs_shape": (1, "ValueError", "out has shape (3,) but the result has shape (2,)"),
+            "a2a_split": (0, "ValueError", "output_split_sizes not given and dim 0 (5) does not divide by the group size (2)"),
+            "a2a_trailing": (1, "ValueError", "out has shape (2, 3) but the result has shape (2, 2)"),
+        },
+    )
+    for seen in results:
+        assert seen["after"] == ("ok", "2.0")
 
 
 def _attempt(fn: Callable[[], Any]) -> tuple[str, str]:

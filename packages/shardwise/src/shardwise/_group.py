@@ -1,10 +1,11 @@
 """``Group``: the one interface between the core and a collective backend.
 
 A backend implements a handful of primitives over flat, contiguous tensors
-whose sizes every rank already knows (``_all_gather``, ``_all_to_all`` ...).
-This base class turns them into the public collectives: it validates
-arguments, agrees on shapes and dtypes across ranks, stages tensors the
-backend cannot move natively, and restores shapes and dtypes on the way out.
+whose sizes every rank already knows (``_all_gather``, ``_all_to_all`` ...;
+declared with the handshake in :mod:`shardwise._group_base`). ``Group``
+turns them into the public collectives: it validates arguments, agrees on
+shapes and dtypes across ranks, stages tensors the backend cannot move
+natively, and restores shapes and dtypes on the way out.
 
 Agreement happens in a *handshake*: before the data moves, every rank
 all-gathers one small int64 row describing its call (which collective, the
@@ -20,35 +21,33 @@ free; for the rest it can be turned off with ``verify=False`` (or
 
 from __future__ import annotations
 
-import abc
 import ctypes
-import os
-from typing import Any, Callable, NoReturn, Optional, Sequence
+from typing import Any, NoReturn, Optional, Sequence
 
 import torch
 
 from shardwise import _wire
+from shardwise._group_base import VERIFY_ENV, GroupBase
 from shardwise._handshake import (
     STATUS_ERRORS,
     Call,
-    Rows,
     check_list,
+    check_output,
     check_splits,
     check_tensor,
+    consecutive,
+    gathered_shape,
     prod,
     rows_of,
-    show,
     split_out,
     write_back,
 )
-from shardwise.errors import CollectiveMismatchError, PeerError
+from shardwise.errors import CollectiveMismatchError
 
 __all__ = ["Group", "VERIFY_ENV"]
 
-VERIFY_ENV = "SHARDWISE_VERIFY_COLLECTIVES"
 
-
-class Group(abc.ABC):
+class Group(GroupBase):
     """A set of ranks that run collectives together.
 
     Public collectives are blocking and must be called by every rank of
@@ -68,182 +67,6 @@ class Group(abc.ABC):
         verify: Run the handshake on every collective (default: True, or
             ``SHARDWISE_VERIFY_COLLECTIVES``).
     """
-
-    def __init__(
-        self,
-        *,
-        backend: str,
-        rank: int,
-        size: int,
-        device: torch.device,
-        devices: Sequence[str] = ("cpu",),
-        verify: Optional[bool] = None,
-    ) -> None:
-        if size < 1 or not 0 <= rank < size:
-            raise ValueError(f"rank {rank} is outside a group of size {size}")
-        self._backend = backend
-        self._rank = rank
-        self._size = size
-        self._device = torch.device(device)
-        self._devices = frozenset(devices)
-        if verify is None:
-            verify = os.environ.get(VERIFY_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
-        self.verify = verify
-
-    # -- identity ------------------------------------------------------------
-    @property
-    def backend(self) -> str:
-        """Name of the backend that moves this group's data."""
-        return self._backend
-
-    @property
-    def rank(self) -> int:
-        """This process's rank in the group, ``0 <= rank < size``."""
-        return self._rank
-
-    @property
-    def size(self) -> int:
-        """Number of ranks in the group."""
-        return self._size
-
-    @property
-    def device(self) -> torch.device:
-        """Device whose tensors the backend moves natively."""
-        return self._device
-
-    def __repr__(self) -> str:
-        name = type(self).__name__
-        return f"<{name} backend={self.backend!r} rank={self.rank} size={self.size} device={self.device}>"
-
-    # -- primitives a backend implements -------------------------------------
-    @abc.abstractmethod
-    def _barrier(self) -> None:
-        """Block until every rank has called it."""
-
-    @abc.abstractmethod
-    def _broadcast(self, buf: torch.Tensor, src: int) -> None:
-        """Overwrite ``buf`` on every rank with ``src``'s ``buf``."""
-
-    @abc.abstractmethod
-    def _all_reduce(self, buf: torch.Tensor, op: str) -> None:
-        """Reduce ``buf`` in place with ``op`` (sum, min, max or product)."""
-
-    @abc.abstractmethod
-    def _all_gather(self, out: torch.Tensor, inp: torch.Tensor, counts: Sequence[int]) -> None:
-        """Fill ``out`` with every rank's ``inp`` in rank order; ``counts[r]`` is rank r's length."""
-
-    @abc.abstractmethod
-    def _reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, counts: Sequence[int], op: str) -> None:
-        """Reduce ``inp`` (the concatenation of per-rank chunks of ``counts``) and keep this rank's chunk in ``out``."""
-
-    @abc.abstractmethod
-    def _all_to_all(
-        self, out: torch.Tensor, out_counts: Sequence[int], inp: torch.Tensor, in_counts: Sequence[int]
-    ) -> None:
-        """Send ``in_counts[r]`` elements of ``inp`` to rank r; receive ``out_counts[r]`` from it."""
-
-    @abc.abstractmethod
-    def _new_group(self, ranks: Sequence[int]) -> Optional[Group]:
-        """A group of ``ranks`` (sorted ranks of this group); None on non-members."""
-
-    def _gather(self, out: Optional[torch.Tensor], counts: Sequence[int], inp: torch.Tensor, dst: int) -> None:
-        """Concatenate every rank's ``inp`` into ``out`` on ``dst``.
-
-        The default is an all-to-all with one receiver.
-        """
-        in_counts = [0] * self.size
-        in_counts[dst] = inp.numel()
-        out_counts = list(counts) if self.rank == dst else [0] * self.size
-        buf = out if out is not None else inp.new_empty(0)
-        self._all_to_all(buf, out_counts, inp, in_counts)
-
-    def _scatter(self, out: torch.Tensor, inp: Optional[torch.Tensor], counts: Sequence[int], src: int) -> None:
-        """Send chunk r of ``inp`` (lengths ``counts``) from ``src`` to rank r.
-
-        The default is an all-to-all with one sender.
-        """
-        in_counts = list(counts) if self.rank == src else [0] * self.size
-        out_counts = [0] * self.size
-        out_counts[src] = out.numel()
-        self._all_to_all(out, out_counts, inp if inp is not None else out.new_empty(0), in_counts)
-
-    def _reduction_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        """Dtype the backend reduces ``dtype`` values in (override to upcast).
-
-        Raises:
-            TypeError: the backend cannot reduce this dtype at all.
-        """
-        return dtype
-
-    def destroy(self) -> None:  # noqa: B027 - backends without resources need not override it
-        """Release the backend's resources; the group is unusable afterwards."""
-
-    # -- handshake -----------------------------------------------------------
-    def _wire_device(self, tensor: torch.Tensor) -> Optional[torch.device]:
-        return None if tensor.device.type in self._devices else self._device
-
-    def _handshake(self, prepare: Callable[[], Call], *, required: bool = False) -> tuple[Call, Optional[Rows]]:
-        """Validate locally, then (if verifying) agree with every rank.
-
-        ``prepare`` raises TypeError/ValueError/IndexError for bad local
-        arguments; with the handshake those are reported to every rank.
-        """
-        if not (self.verify or required):
-            return prepare(), None
-        error: Optional[Exception] = None
-        try:
-            call = prepare()
-            row = call.encode(self.size)
-        except STATUS_ERRORS as exc:
-            error = exc
-            call = Call(op="barrier")
-            row = call.encode(self.size)
-            row[2] = 1 + next(i for i, kind in enumerate(STATUS_ERRORS) if isinstance(exc, kind))
-        width = len(row)
-        mine = torch.tensor(row, dtype=torch.int64, device=self._device)
-        table = torch.empty(width * self.size, dtype=torch.int64, device=self._device)
-        self._all_gather(table, mine, [width] * self.size)
-        rows = Rows(table.view(self.size, width).tolist(), self.size)
-        failed = [r for r in range(self.size) if rows.table[r][2] != 0]
-        if error is not None:
-            try:
-                raise error
-            finally:
-                # The traceback references this frame; dropping the local
-                # breaks the cycle that would keep the group alive until GC.
-                del error
-        if failed:
-            kinds = {1: "TypeError", 2: "ValueError", 3: "IndexError"}
-            desc = ", ".join(f"rank {r} ({kinds.get(rows.table[r][2], 'error')})" for r in failed)
-            raise PeerError(
-                f"{call.op}: {desc} rejected its arguments, so no data was sent; "
-                "see that rank's traceback for the cause"
-            )
-        ops = {rows.op(r) for r in range(self.size)}
-        if len(ops) > 1:
-            calls = ", ".join(f"rank {r}: {rows.op(r)}" for r in range(self.size))
-            raise CollectiveMismatchError(
-                f"ranks called different collectives at the same point ({calls}); "
-                "every rank must call the same collectives in the same order"
-            )
-        self._check_same(rows, rows.root, what="root rank")
-        self._check_same(rows, rows.reduce_op, what="reduce op")
-        return call, rows
-
-    def _check_same(self, rows: Rows, get: Callable[[int], Any], *, what: str) -> None:
-        values = {r: get(r) for r in range(self.size)}
-        if len(set(map(repr, values.values()))) > 1:
-            shown = ", ".join(f"rank {r}: {show(v)}" for r, v in values.items())
-            raise CollectiveMismatchError(f"{rows.op(self.rank)}: ranks disagree on the {what} ({shown})")
-
-    def _check_tensor_rows(self, rows: Rows) -> None:
-        self._check_same(rows, rows.dtype, what="dtype")
-        self._check_same(rows, rows.ndim, what="number of dimensions")
-        self._check_same(rows, rows.trailing, what="shape after dim 0")
-
-    def _check_root(self, root: int, name: str) -> None:
-        if not isinstance(root, int) or not 0 <= root < self.size:
-            raise ValueError(f"{name}={root!r} is not a rank of this group (size {self.size})")
 
     # -- public collectives --------------------------------------------------
     def barrier(self) -> None:
@@ -321,15 +144,28 @@ class Group(abc.ABC):
         if buf.data_ptr() != out.data_ptr():
             out.copy_(buf)
 
-    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+    def all_gather(self, tensor: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
         """Every rank's ``tensor``, in rank order, on every rank.
 
         Sizes along dim 0 may differ between ranks; dtype and the other
         dims must agree.
 
+        Args:
+            tensor: This rank's contribution.
+            out: Optional preallocated result of shape
+                ``(size * rows, *tensor.shape[1:])`` (``(size,)`` for a 0-d
+                ``tensor``) and ``tensor``'s dtype, as in
+                ``torch.distributed.all_gather_into_tensor``: every rank then
+                sends the same number of rows, no sizes need to be agreed
+                (so with ``verify=False`` no handshake runs), and a caller
+                that gathers repeatedly reuses one buffer.
+
         Returns:
-            One tensor per rank (views into one buffer), on ``tensor``'s device.
+            One tensor per rank (views into one buffer, ``out`` when given),
+            on ``tensor``'s device (``out``'s when given).
         """
+        if out is not None:
+            return self._all_gather_into(tensor, out)
 
         def prepare() -> Call:
             check_tensor(tensor, "tensor")
@@ -347,16 +183,38 @@ class Group(abc.ABC):
         self._all_gather(out, wire, counts)
         return split_out(out, counts, dims, shape, tensor.dtype, tensor.device)
 
-    def reduce_scatter(self, inputs: Sequence[torch.Tensor], op: Any = "sum") -> torch.Tensor:
+    def _all_gather_into(self, tensor: torch.Tensor, out: torch.Tensor) -> list[torch.Tensor]:
+        def prepare() -> Call:
+            check_tensor(tensor, "tensor")
+            check_output(out, tensor.dtype, gathered_shape(tuple(tensor.shape), self.size), "out")
+            return Call("all_gather", tensor.dtype, tuple(tensor.shape), count=rows_of(tuple(tensor.shape)))
+
+        _, rows = self._handshake(prepare)
+        if rows is not None:
+            self._check_tensor_rows(rows)
+            self._check_same(rows, rows.count, what="number of rows (all_gather with out= needs equal sizes)")
+        wire = _wire.to_bytes(tensor, self._wire_device(tensor))
+        target = _wire.to_bytes(out, self._wire_device(out))
+        self._all_gather(target, wire, [wire.numel()] * self.size)
+        write_back(out, _wire.from_bytes(target, out.dtype, tuple(out.shape)))
+        return list(out.unbind(0)) if tensor.dim() == 0 else list(out.chunk(self.size))
+
+    def reduce_scatter(
+        self, inputs: Sequence[torch.Tensor], op: Any = "sum", *, out: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         """Reduce ``inputs[r]`` across ranks and return the result to rank r.
 
         Args:
             inputs: One tensor per rank; ``inputs[r]`` must have the same
-                shape on every rank (sizes may differ between r's).
+                shape on every rank (sizes may differ between r's). When they
+                are consecutive pieces of one contiguous tensor (``t.split``,
+                ``t.chunk``) they are sent from it without being copied.
             op: As for :meth:`all_reduce`.
+            out: Optional tensor of ``inputs[self.rank]``'s shape and dtype
+                to write the result into.
 
         Returns:
-            The reduced ``inputs[self.rank]``, on its device.
+            The reduced ``inputs[self.rank]`` (``out`` when given), on its device.
         """
 
         def prepare() -> Call:
@@ -364,6 +222,8 @@ class Group(abc.ABC):
             name = _wire.normalize_reduce_op(op)
             _wire.check_reducible(inputs[0].dtype, name)
             self._reduction_dtype(_wire.wire_dtype(inputs[0].dtype))
+            if out is not None:
+                check_output(out, inputs[0].dtype, tuple(inputs[self.rank].shape), "out")
             sizes = [rows_of(tuple(t.shape)) for t in inputs]
             return Call("reduce_scatter", inputs[0].dtype, shape, reduce_op=name, splits_a=sizes)
 
@@ -374,14 +234,28 @@ class Group(abc.ABC):
         dtype, device = inputs[0].dtype, inputs[0].device
         shape_r = tuple(inputs[self.rank].shape)
         op_name, kind = self._wire_reduction(dtype, call.reduce_op)
-        flat = [_wire.to_wire(t, self._wire_device(t)) for t in inputs]
-        counts = [t.numel() for t in flat]
-        inp = torch.cat(flat).to(kind)
-        buf = inp.new_empty(counts[self.rank])
+        joined = consecutive(inputs)
+        if joined is not None and self._wire_device(joined) is None:
+            inp = _wire.to_wire(joined, None).to(kind)
+            counts = [t.numel() * (2 if dtype.is_complex else 1) for t in inputs]
+        else:
+            flat = [_wire.to_wire(t, self._wire_device(t)) for t in inputs]
+            counts = [t.numel() for t in flat]
+            inp = torch.cat(flat).to(kind)
+        wire_out = None if out is None else _wire.to_wire(out, self._wire_device(out))
+        if wire_out is not None and wire_out.dtype == kind:
+            buf = wire_out
+        else:
+            buf = inp.new_empty(counts[self.rank])
         self._reduce_scatter(buf, inp, counts, op_name)
-        out = buf if buf.dtype == flat[0].dtype else torch.empty_like(buf, dtype=flat[0].dtype)
-        self._finish_reduction(buf, call.reduce_op, out)
-        return _wire.from_wire(out, dtype, shape_r).to(device)
+        if wire_out is None:
+            wire = _wire.wire_dtype(dtype)
+            wire_out = buf if buf.dtype == wire else torch.empty_like(buf, dtype=wire)
+        self._finish_reduction(buf, call.reduce_op, wire_out)
+        if out is None:
+            return _wire.from_wire(wire_out, dtype, shape_r).to(device)
+        write_back(out, _wire.from_wire(wire_out, dtype, shape_r))
+        return out
 
     def all_to_all(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Send ``inputs[r]`` to rank r; return what each rank sent here.
@@ -416,18 +290,25 @@ class Group(abc.ABC):
         tensor: torch.Tensor,
         output_split_sizes: Optional[Sequence[int]] = None,
         input_split_sizes: Optional[Sequence[int]] = None,
+        *,
+        out: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Split ``tensor`` along dim 0, send piece r to rank r, concatenate what arrives.
 
         Args:
             tensor: At least 1-D; other dims and dtype agree on all ranks.
             output_split_sizes: Rows to receive from each rank; derived from
-                the senders when None (and checked against them when given).
+                the senders when None (and checked against them when given),
+                or an equal split of ``out`` when ``out`` is given.
             input_split_sizes: Rows to send to each rank; an equal split
                 when None (dim 0 must then divide by the group size).
+            out: Optional preallocated result (``tensor``'s dtype and
+                trailing dims). With ``out`` or both split sizes every rank
+                knows the sizes, so with ``verify=False`` no handshake runs.
 
         Returns:
-            A new tensor of ``sum(output_split_sizes)`` rows.
+            The received rows: ``out`` when given, else a new tensor of
+            ``sum(output_split_sizes)`` rows.
         """
 
         def prepare() -> Call:
@@ -437,12 +318,17 @@ class Group(abc.ABC):
             rows_in = tensor.shape[0]
             ins = check_splits(input_split_sizes, rows_in, self.size, "input_split_sizes")
             outs = list(output_split_sizes) if output_split_sizes is not None else []
-            if output_split_sizes is not None:
+            if out is not None:
+                if out.dim() == 0:
+                    raise ValueError("all_to_all_single: out needs at least one dimension")
+                check_output(out, tensor.dtype, (out.shape[0], *tensor.shape[1:]), "out")
+                outs = check_splits(output_split_sizes, out.shape[0], self.size, "output_split_sizes")
+            elif output_split_sizes is not None:
                 check_splits(outs, sum(outs), self.size, "output_split_sizes")
-            return Call("all_to_all", tensor.dtype, tuple(tensor.shape), count=int(output_split_sizes is not None),
-                         splits_a=ins, splits_b=outs)
+            return Call("all_to_all", tensor.dtype, tuple(tensor.shape), count=int(bool(outs) or out is not None),
+                        splits_a=ins, splits_b=outs)
 
-        need = not (output_split_sizes is not None and input_split_sizes is not None)
+        need = output_split_sizes is None and out is None
         call, rows = self._handshake(prepare, required=need)
         ins = list(call.splits_a)
         if rows is not None:
@@ -460,9 +346,12 @@ class Group(abc.ABC):
         shape = tuple(tensor.shape)
         per_row = tensor.dtype.itemsize * prod(shape[1:])
         wire = _wire.to_bytes(tensor, self._wire_device(tensor))
-        out = wire.new_empty(sum(outs) * per_row)
-        self._all_to_all(out, [o * per_row for o in outs], wire, [i * per_row for i in ins])
-        return _wire.from_bytes(out, tensor.dtype, (sum(outs), *shape[1:])).to(tensor.device)
+        target = wire.new_empty(sum(outs) * per_row) if out is None else _wire.to_bytes(out, self._wire_device(out))
+        self._all_to_all(target, [o * per_row for o in outs], wire, [i * per_row for i in ins])
+        if out is None:
+            return _wire.from_bytes(target, tensor.dtype, (sum(outs), *shape[1:])).to(tensor.device)
+        write_back(out, _wire.from_bytes(target, out.dtype, tuple(out.shape)))
+        return out
 
     def scatter(self, tensors: Optional[Sequence[torch.Tensor]], src: int = 0) -> torch.Tensor:
         """Send ``tensors[r]`` from ``src`` to rank r.
@@ -618,4 +507,3 @@ class Group(abc.ABC):
             self._check_same(rows, rows.splits_a, what="members of the new group")
         members = [r for r, flag in enumerate(call.splits_a) if flag]
         return self._new_group(members)
-

@@ -145,6 +145,45 @@ def check_list(tensors: Any, size: int, name: str) -> tuple[int, ...]:
     return tuple(first.shape)
 
 
+def check_output(out: Any, dtype: torch.dtype, shape: tuple[int, ...], name: str) -> None:
+    """Validate a caller's preallocated result tensor."""
+    check_tensor(out, name)
+    if out.dtype != dtype:
+        raise TypeError(f"{name} is {out.dtype} but the result is {dtype}")
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"{name} has shape {tuple(out.shape)} but the result has shape {tuple(shape)}")
+
+
+def gathered_shape(shape: tuple[int, ...], size: int) -> tuple[int, ...]:
+    """Shape of ``size`` equal pieces of ``shape`` stacked along dim 0 (0-d pieces make a vector)."""
+    return (size * shape[0], *shape[1:]) if shape else (size,)
+
+
+def consecutive(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+    """One flat tensor viewing ``tensors`` back to back, if they already lie so in memory.
+
+    ``t.split(...)``/``t.chunk(...)`` of a contiguous ``t`` qualify; then a
+    collective reads them in place instead of concatenating a copy.
+    """
+    first = tensors[0]
+    if first.device.type == "meta" or first.is_conj() or first.is_neg():
+        return None
+    end = first.data_ptr()
+    total = 0
+    for t in tensors:
+        if not t.is_contiguous() or t.is_conj() or t.is_neg() or t.device != first.device:
+            return None
+        if t.dtype != first.dtype or t.shape[1:] != first.shape[1:]:
+            return None
+        if t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or t.data_ptr() != end:
+            return None
+        end += t.numel() * t.element_size()
+        total += t.numel()
+    if total == 0:
+        return None
+    return first.detach().as_strided((total,), (1,), first.storage_offset())
+
+
 def check_splits(splits: Optional[Sequence[int]], total: int, size: int, name: str) -> list[int]:
     if splits is None:
         if total % size:

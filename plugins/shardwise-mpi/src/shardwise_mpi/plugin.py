@@ -59,6 +59,14 @@ def install_abort_hook() -> None:
     def hook(kind: type[BaseException], value: BaseException, tb: Optional[TracebackType]) -> None:
         try:
             previous(kind, value, tb)
+            rank = MPI.COMM_WORLD.Get_rank()
+            # Our own line, because MPICH's "application called MPI_Abort" can be
+            # lost when the process manager kills the job first.
+            print(
+                f"shardwise: rank {rank} raised {kind.__name__}; calling MPI_Abort so that the other "
+                "ranks do not wait for it forever",
+                file=sys.stderr,
+            )
             sys.stdout.flush()
             sys.stderr.flush()
             # MPI_Abort kills the job at once; give the process manager a moment

@@ -217,10 +217,56 @@ def check_group() -> None:
     g.barrier()
 
 
+def check_direct_paths() -> None:
+    """With verify=False, plain calls never reach the base class's general path (the speed of the Group)."""
+    g = shardwise.get_default_group()
+    r, w = g.rank, g.size
+    base = shardwise.Group
+    saved = {name: getattr(base, name) for name in ("broadcast", "all_reduce", "all_gather", "reduce_scatter", "all_to_all_single")}
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the direct path was not taken")
+
+    g.verify = False
+    try:
+        for name in saved:
+            setattr(base, name, refuse)
+        t = torch.full((2 * w, 3), float(r + 1))
+        same(g.all_reduce(t.clone(), op="max"), torch.full((2 * w, 3), float(w)), "direct all_reduce")
+        same(g.broadcast(t.clone(), src=w - 1), torch.full((2 * w, 3), float(w)), "direct broadcast")
+        out = torch.empty(2 * w * w, 3)
+        g.all_gather(t, out=out)
+        same(out, torch.cat([torch.full((2 * w, 3), float(s + 1)) for s in range(w)]), "direct all_gather")
+        into = torch.empty(2, 3)
+        g.reduce_scatter(list(t.split(2)), op="sum", out=into)
+        same(into, torch.full((2, 3), float(w * (w + 1) // 2)), "direct reduce_scatter")
+        same(g.reduce_scatter(list(t.split(2))), into, "direct reduce_scatter, new output")
+        recv = torch.empty(2 * w, 3)
+        g.all_to_all_single(t, out=recv)
+        same(recv, torch.cat([torch.full((2, 3), float(s + 1)) for s in range(w)]), "direct all_to_all_single")
+        sizes = [1] * w
+        same(g.all_to_all_single(t[:w], sizes, sizes), torch.arange(1.0, w + 1).repeat_interleave(3).reshape(w, 3),
+             "direct all_to_all_single, sizes")
+    finally:
+        for name, fn in saved.items():
+            setattr(base, name, fn)
+        g.verify = True
+    # Outside the plain case (a transposed input, bfloat16) the general path runs, with the same results.
+    g.verify = False
+    try:
+        tt = torch.arange(6.0).reshape(2, 3).t() * (r + 1)
+        same(g.all_reduce(tt), torch.arange(6.0).reshape(2, 3).t() * (w * (w + 1) // 2), "general all_reduce")
+        same(g.all_reduce(torch.ones(2, dtype=torch.bfloat16)), torch.full((2,), float(w), dtype=torch.bfloat16),
+             "general all_reduce bf16")
+    finally:
+        g.verify = True
+
+
 def main() -> None:
     group = shardwise.init()
     check_raw(group.comm.Dup())
     check_group()
+    check_direct_paths()
     print(f"RANK {group.rank} OF {group.size} OK", flush=True)
     shardwise.destroy()
 

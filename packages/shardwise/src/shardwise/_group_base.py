@@ -1,0 +1,215 @@
+"""``GroupBase``: what every :class:`~shardwise.Group` shares below its public collectives.
+
+A backend implements a handful of primitives over flat, contiguous tensors
+whose sizes every rank already knows (``_all_gather``, ``_all_to_all`` ...);
+this class declares them and runs the *handshake* through them: before the
+data of a public collective moves, every rank all-gathers one small int64
+row describing its call (which collective, the dtype, the trailing shape,
+the per-rank sizes, and whether its own arguments were valid). Every rank
+sees the same rows, so every rank reaches the same verdict: either all
+proceed, or all raise — a rank with a bad argument raises the real error and
+its peers raise :class:`PeerError` naming it, instead of one rank raising
+while the others wait forever.
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+
+import torch
+
+from shardwise._handshake import STATUS_ERRORS, Call, Rows, consecutive, show
+from shardwise.errors import CollectiveMismatchError, PeerError
+
+if TYPE_CHECKING:
+    from shardwise._group import Group
+
+__all__ = ["VERIFY_ENV", "GroupBase"]
+
+VERIFY_ENV = "SHARDWISE_VERIFY_COLLECTIVES"
+
+
+class GroupBase(abc.ABC):
+    """Identity, backend primitives and the handshake; see :class:`~shardwise.Group`."""
+
+    def __init__(
+        self,
+        *,
+        backend: str,
+        rank: int,
+        size: int,
+        device: torch.device,
+        devices: Sequence[str] = ("cpu",),
+        verify: Optional[bool] = None,
+    ) -> None:
+        if size < 1 or not 0 <= rank < size:
+            raise ValueError(f"rank {rank} is outside a group of size {size}")
+        self._backend = backend
+        self._rank = rank
+        self._size = size
+        self._device = torch.device(device)
+        self._devices = frozenset(devices)
+        if verify is None:
+            verify = os.environ.get(VERIFY_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+        self.verify = verify
+
+    # -- identity ------------------------------------------------------------
+    @property
+    def backend(self) -> str:
+        """Name of the backend that moves this group's data."""
+        return self._backend
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the group, ``0 <= rank < size``."""
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        """Number of ranks in the group."""
+        return self._size
+
+    @property
+    def device(self) -> torch.device:
+        """Device whose tensors the backend moves natively."""
+        return self._device
+
+    def __repr__(self) -> str:
+        name = type(self).__name__
+        return f"<{name} backend={self.backend!r} rank={self.rank} size={self.size} device={self.device}>"
+
+    # -- primitives a backend implements -------------------------------------
+    @abc.abstractmethod
+    def _barrier(self) -> None:
+        """Block until every rank has called it."""
+
+    @abc.abstractmethod
+    def _broadcast(self, buf: torch.Tensor, src: int) -> None:
+        """Overwrite ``buf`` on every rank with ``src``'s ``buf``."""
+
+    @abc.abstractmethod
+    def _all_reduce(self, buf: torch.Tensor, op: str) -> None:
+        """Reduce ``buf`` in place with ``op`` (sum, min, max or product)."""
+
+    @abc.abstractmethod
+    def _all_gather(self, out: torch.Tensor, inp: torch.Tensor, counts: Sequence[int]) -> None:
+        """Fill ``out`` with every rank's ``inp`` in rank order; ``counts[r]`` is rank r's length."""
+
+    @abc.abstractmethod
+    def _reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, counts: Sequence[int], op: str) -> None:
+        """Reduce ``inp`` (the concatenation of per-rank chunks of ``counts``) and keep this rank's chunk in ``out``."""
+
+    @abc.abstractmethod
+    def _all_to_all(
+        self, out: torch.Tensor, out_counts: Sequence[int], inp: torch.Tensor, in_counts: Sequence[int]
+    ) -> None:
+        """Send ``in_counts[r]`` elements of ``inp`` to rank r; receive ``out_counts[r]`` from it."""
+
+    @abc.abstractmethod
+    def _new_group(self, ranks: Sequence[int]) -> Optional[Group]:
+        """A group of ``ranks`` (sorted ranks of this group); None on non-members."""
+
+    def _gather(self, out: Optional[torch.Tensor], counts: Sequence[int], inp: torch.Tensor, dst: int) -> None:
+        """Concatenate every rank's ``inp`` into ``out`` on ``dst``.
+
+        The default is an all-to-all with one receiver.
+        """
+        in_counts = [0] * self.size
+        in_counts[dst] = inp.numel()
+        out_counts = list(counts) if self.rank == dst else [0] * self.size
+        buf = out if out is not None else inp.new_empty(0)
+        self._all_to_all(buf, out_counts, inp, in_counts)
+
+    def _scatter(self, out: torch.Tensor, inp: Optional[torch.Tensor], counts: Sequence[int], src: int) -> None:
+        """Send chunk r of ``inp`` (lengths ``counts``) from ``src`` to rank r.
+
+        The default is an all-to-all with one sender.
+        """
+        in_counts = list(counts) if self.rank == src else [0] * self.size
+        out_counts = [0] * self.size
+        out_counts[src] = out.numel()
+        self._all_to_all(out, out_counts, inp if inp is not None else out.new_empty(0), in_counts)
+
+    def _reduction_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """Dtype the backend reduces ``dtype`` values in (override to upcast).
+
+        Raises:
+            TypeError: the backend cannot reduce this dtype at all.
+        """
+        return dtype
+
+    def destroy(self) -> None:  # noqa: B027 - backends without resources need not override it
+        """Release the backend's resources; the group is unusable afterwards."""
+
+    #: For backends' fast paths: one flat view of tensors that already lie
+    #: back to back in one buffer (``t.split(n)``), or None.
+    _consecutive = staticmethod(consecutive)
+
+    # -- handshake -----------------------------------------------------------
+    def _wire_device(self, tensor: torch.Tensor) -> Optional[torch.device]:
+        return None if tensor.device.type in self._devices else self._device
+
+    def _handshake(self, prepare: Callable[[], Call], *, required: bool = False) -> tuple[Call, Optional[Rows]]:
+        """Validate locally, then (if verifying) agree with every rank.
+
+        ``prepare`` raises TypeError/ValueError/IndexError for bad local
+        arguments; with the handshake those are reported to every rank.
+        """
+        if not (self.verify or required):
+            return prepare(), None
+        error: Optional[Exception] = None
+        try:
+            call = prepare()
+            row = call.encode(self.size)
+        except STATUS_ERRORS as exc:
+            error = exc
+            call = Call(op="barrier")
+            row = call.encode(self.size)
+            row[2] = 1 + next(i for i, kind in enumerate(STATUS_ERRORS) if isinstance(exc, kind))
+        width = len(row)
+        mine = torch.tensor(row, dtype=torch.int64, device=self._device)
+        table = torch.empty(width * self.size, dtype=torch.int64, device=self._device)
+        self._all_gather(table, mine, [width] * self.size)
+        rows = Rows(table.view(self.size, width).tolist(), self.size)
+        failed = [r for r in range(self.size) if rows.table[r][2] != 0]
+        if error is not None:
+            try:
+                raise error
+            finally:
+                # The traceback references this frame; dropping the local
+                # breaks the cycle that would keep the group alive until GC.
+                del error
+        if failed:
+            kinds = {1: "TypeError", 2: "ValueError", 3: "IndexError"}
+            desc = ", ".join(f"rank {r} ({kinds.get(rows.table[r][2], 'error')})" for r in failed)
+            raise PeerError(
+                f"{call.op}: {desc} rejected its arguments, so no data was sent; "
+                "see that rank's traceback for the cause"
+            )
+        ops = {rows.op(r) for r in range(self.size)}
+        if len(ops) > 1:
+            calls = ", ".join(f"rank {r}: {rows.op(r)}" for r in range(self.size))
+            raise CollectiveMismatchError(
+                f"ranks called different collectives at the same point ({calls}); "
+                "every rank must call the same collectives in the same order"
+            )
+        self._check_same(rows, rows.root, what="root rank")
+        self._check_same(rows, rows.reduce_op, what="reduce op")
+        return call, rows
+
+    def _check_same(self, rows: Rows, get: Callable[[int], Any], *, what: str) -> None:
+        values = {r: get(r) for r in range(self.size)}
+        if len(set(map(repr, values.values()))) > 1:
+            shown = ", ".join(f"rank {r}: {show(v)}" for r, v in values.items())
+            raise CollectiveMismatchError(f"{rows.op(self.rank)}: ranks disagree on the {what} ({shown})")
+
+    def _check_tensor_rows(self, rows: Rows) -> None:
+        self._check_same(rows, rows.dtype, what="dtype")
+        self._check_same(rows, rows.ndim, what="number of dimensions")
+        self._check_same(rows, rows.trailing, what="shape after dim 0")
+
+    def _check_root(self, root: int, name: str) -> None:
+        if not isinstance(root, int) or not 0 <= root < self.size:
+            raise ValueError(f"{name}={root!r} is not a rank of this group (size {self.size})")
