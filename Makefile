@@ -9,7 +9,8 @@ BIN    := $(VENV)/bin
 PIP    := $(BIN)/python -m pip
 
 # Editable distributions installed into the dev venv.
-DISTS := -e packages/shardwise[test] -e plugins/shardwise-gloo -e plugins/shardwise-nccl -e plugins/shardwise-mpi[mpich]
+DISTS := -e packages/shardwise[test] -e plugins/shardwise-gloo -e plugins/shardwise-nccl -e plugins/shardwise-mpi[mpich] \
+         -e plugins/shardwise-embedding[test]
 DEV_TOOLS := tox ruff mypy pytest pytest-timeout hypothesis numpy
 
 # `make install` is re-run when any of these change.
@@ -19,7 +20,7 @@ STAMP := $(VENV)/.install-stamp
 LINT_PATHS := packages plugins integration_tests benchmarks
 MYPY_PATHS := packages/shardwise/src/shardwise
 
-.PHONY: install test lint bench-mpi clean distclean
+.PHONY: install test lint bench-mpi bench-embedding clean distclean
 
 install: $(STAMP)
 
@@ -40,6 +41,11 @@ test: install
 # benchmarks/results/mpi_collectives.md. Not part of `make test`.
 bench-mpi: install
 	$(BIN)/mpiexec -n 2 $(BIN)/python benchmarks/mpi_collectives.py
+
+# Sharded embedding / embedding_bag: torch 2.13's _shard (gloo) vs shardwise
+# over gloo and over MPI, 2 ranks; writes benchmarks/results/embedding.md.
+bench-embedding: install
+	$(BIN)/mpiexec -n 2 $(BIN)/python benchmarks/embedding.py
 
 # Both checkers always run; the target fails if either found something.
 lint: install

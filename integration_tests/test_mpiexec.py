@@ -41,3 +41,9 @@ def test_readme_example_picks_mpi_under_mpiexec(n: int) -> None:
 def test_torch_backend_mpi4py_runs_dtensor_and_checkpoint(tmp_path: Path) -> None:
     out = mpiexec(PROGRAMS / "mpi_dtensor_dcp.py", 2, str(tmp_path / "ckpt"))
     assert sorted(re.findall(r"rank (\d) of 2 OK", out)) == ["0", "1"], out
+
+
+def test_readme_embedding_bag_training_under_mpiexec() -> None:
+    out = mpiexec(PROGRAMS / "embedding_bag_train.py", 3)
+    for rank, rows in ((0, "0..333"), (1, "334..667"), (2, "668..999")):
+        assert f"rank {rank}: rows {rows} match dense training" in out, out

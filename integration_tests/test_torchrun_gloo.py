@@ -132,3 +132,10 @@ def test_readme_sharded_tensor_example_under_torchrun() -> None:
         "rank 0: gathered tensor equals the dense computation",
     ):
         assert line in result.stdout, f"missing {line!r}; output:\n{result.stdout}"
+
+
+def test_readme_embedding_bag_training_under_torchrun() -> None:
+    result = torchrun(PROGRAMS / "embedding_bag_train.py")
+    assert result.returncode == 0, f"torchrun exited {result.returncode}; output:\n{result.stdout}"
+    for line in ("rank 0: rows 0..499 match dense training", "rank 1: rows 500..999 match dense training"):
+        assert line in result.stdout, f"missing {line!r}; output:\n{result.stdout}"

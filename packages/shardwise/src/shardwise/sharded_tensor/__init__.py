@@ -5,7 +5,7 @@ Names follow ``torch.distributed._shard.sharded_tensor`` (torch 2.13).
 
 from __future__ import annotations
 
-from shardwise._custom_ops import custom_sharded_op_impl
+from shardwise._custom_ops import custom_sharded_op_impl, local_shards_op, local_tensor_op
 from shardwise._metadata import ShardMetadata, ShardedTensorMetadata, TensorProperties
 from shardwise._modules import pre_load_state_dict_hook, state_dict_hook
 from shardwise.sharded_tensor._api import ShardedTensor, ShardedTensorBase
@@ -29,6 +29,8 @@ __all__ = [
     "empty",
     "full",
     "init_from_local_shards",
+    "local_shards_op",
+    "local_tensor_op",
     "ones",
     "pre_load_state_dict_hook",
     "rand",

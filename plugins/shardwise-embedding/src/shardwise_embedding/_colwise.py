@@ -1,0 +1,162 @@
+"""Column-wise sharded lookups: every owner serves its columns of every rank's ids.
+
+Every rank deduplicates its ids and all-gathers them; each owner looks up its
+columns of all of them (or pools all ranks' bags over its columns) and an
+autograd ``all_to_all`` sends each rank its block; the rank lays the blocks
+side by side in column (placement) order. ``max_norm`` needs whole-row norms:
+owners add up (or max) their columns' partial norms with one ``all_reduce``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+import shardwise.nn.functional as dist_f
+from shardwise import Group
+from shardwise_embedding._grad import scale_grad
+from shardwise_embedding._inputs import Options, Table, zeros_in_graph
+
+__all__ = ["assemble_columns", "bag_colwise", "gather_uneven", "lookup_colwise", "renorm_columns", "serve_columns"]
+
+
+def gather_uneven(group: Group, tensor: torch.Tensor, counts: list[int]) -> list[torch.Tensor]:
+    """Every rank's ``tensor`` (``counts[r]`` rows from rank r; sizes known to all) in rank order.
+
+    Pads to the largest count so one all-gather into a preallocated buffer
+    does it (no size handshake needed).
+    """
+    most = max(counts) if counts else 0
+    padded = tensor.new_zeros((most, *tensor.shape[1:]))
+    padded[: tensor.shape[0]] = tensor
+    out = tensor.new_empty((most * group.size, *tensor.shape[1:]))
+    group.all_gather(padded, out=out)
+    return [out[r * most : r * most + n] for r, n in enumerate(counts)]
+
+
+def renorm_columns(group: Group, table: Table, opts: Options, ids: torch.Tensor) -> None:
+    """Renorm the rows ``ids`` (every rank passes the same) in place, by their whole-row norms.
+
+    The dense op's ``embedding_renorm_``: a row whose ``norm_type``-norm
+    exceeds ``max_norm`` is scaled by ``max_norm / (norm + 1e-7)``.
+    """
+    assert opts.max_norm is not None
+    rows = torch.unique(ids)
+    p = opts.norm_type
+    with torch.no_grad():
+        partial = torch.zeros(rows.numel(), dtype=torch.float64)
+        for _, _, shard in table.local:
+            part = shard[rows].abs().to(torch.float64)
+            partial = torch.maximum(partial, part.amax(1)) if math.isinf(p) else partial + part.pow(p).sum(1)
+        group.all_reduce(partial, op="max" if math.isinf(p) else "sum")
+        norms = partial if math.isinf(p) else partial.pow(1.0 / p)
+        over = norms > opts.max_norm
+        if bool(over.any()):
+            scale = (opts.max_norm / (norms[over] + 1e-7)).unsqueeze(1)
+            for _, _, shard in table.local:
+                shard[rows[over]] = (shard[rows[over]].to(torch.float64) * scale).to(shard.dtype)
+
+
+def serve_columns(table: Table, local_rows: list[torch.Tensor], counts: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """Flatten this rank's blocks for the all-to-all: for rank r, its rows of each local shard in turn.
+
+    Args:
+        local_rows: Per local shard (by column offset), ``[sum(counts), cols]`` rows.
+        counts: Rows that belong to each rank.
+
+    Returns:
+        The flat send buffer and the number of elements for each rank.
+    """
+    pieces, sizes = [], []
+    splits = [rows.split(counts) for rows in local_rows]
+    for r in range(len(counts)):
+        blocks = [s[r].reshape(-1) for s in splits]
+        pieces.extend(blocks)
+        sizes.append(sum(b.numel() for b in blocks))
+    if not pieces:
+        return zeros_in_graph(table, 0, 1).reshape(-1), [0] * len(counts)
+    return torch.cat(pieces), sizes
+
+
+def assemble_columns(group: Group, table: Table, flat: torch.Tensor, sent: list[int], rows: int) -> torch.Tensor:
+    """Send every rank its blocks and lay the blocks this rank receives out as ``[rows, D]`` columns."""
+    me = group.rank
+    owned: dict[int, list[tuple[int, int]]] = {}
+    for offset, size, owner in table.shards:
+        owned.setdefault(owner, []).append((offset, size))
+    recv = [rows * sum(size for _, size in owned.get(r, [])) for r in range(group.size)]
+    del me
+    box = flat.new_empty(sum(recv))
+    got = dist_f.all_to_all_single(box, flat, recv, sent, group=group)
+    placed: list[tuple[int, torch.Tensor]] = []
+    cursor = 0
+    for r in range(group.size):
+        for offset, size in owned.get(r, []):
+            placed.append((offset, got[cursor : cursor + rows * size].view(rows, size)))
+            cursor += rows * size
+    placed.sort(key=lambda item: item[0])
+    return torch.cat([block for _, block in placed], dim=1) if placed else flat.new_zeros((rows, table.cols))
+
+
+def lookup_colwise(
+    group: Group, table: Table, opts: Options, uniq: torch.Tensor, freq: torch.Tensor, counts: list[int]
+) -> torch.Tensor:
+    """Rows (all columns) of this rank's distinct ids ``uniq``, given every rank's count of distinct ids."""
+    payload = torch.stack([uniq, freq], dim=1)
+    gathered = torch.cat(gather_uneven(group, payload, counts))
+    all_ids, all_freq = gathered[:, 0], gathered[:, 1]
+    if opts.max_norm is not None:
+        renorm_columns(group, table, opts, all_ids)
+    scale: Optional[torch.Tensor] = None
+    if opts.scale_grad_by_freq and all_ids.numel():
+        seen, where = torch.unique(all_ids, return_inverse=True)
+        total = torch.zeros(seen.numel(), dtype=torch.int64).index_add_(0, where, all_freq)
+        scale = 1.0 / total[where].to(table.weight.dtype)
+    local_rows = []
+    for _, _, shard in table.local:
+        rows = F.embedding(all_ids, shard, opts.padding_idx)
+        local_rows.append(rows if scale is None else scale_grad(rows, scale))
+    flat, sent = serve_columns(table, local_rows, counts)
+    return assemble_columns(group, table, flat, sent, uniq.numel())
+
+
+def bag_colwise(
+    group: Group, table: Table, opts: Options, ids: torch.Tensor, lengths: torch.Tensor,
+    weights: Optional[torch.Tensor], sizes: list[tuple[int, int]],
+) -> torch.Tensor:
+    """``F.embedding_bag`` over column shards: owners pool every rank's bags over their columns.
+
+    Args:
+        ids, lengths, weights: This rank's bags (see ``Bags``).
+        sizes: ``(number of ids, number of bags)`` of every rank.
+    """
+    packed = torch.cat([ids, lengths])
+    pieces = gather_uneven(group, packed, [n + b for n, b in sizes])
+    all_ids = torch.cat([p[:n] for p, (n, _) in zip(pieces, sizes, strict=True)])
+    all_lengths = torch.cat([p[n:] for p, (n, _) in zip(pieces, sizes, strict=True)])
+    all_weights: Optional[torch.Tensor] = None
+    if weights is not None:
+        if weights.requires_grad and torch.is_grad_enabled():
+            all_weights = torch.cat(dist_f.all_gather(weights, group=group))
+        else:
+            all_weights = torch.cat(gather_uneven(group, weights, [n for n, _ in sizes]))
+    if opts.max_norm is not None:
+        renorm_columns(group, table, opts, all_ids)
+    starts = all_lengths.cumsum(0) - all_lengths
+    local_rows = [
+        F.embedding_bag(
+            all_ids, shard, starts, scale_grad_by_freq=opts.scale_grad_by_freq, mode=opts.mode,
+            per_sample_weights=all_weights, padding_idx=opts.padding_idx,
+        )
+        for _, _, shard in table.local
+    ]
+    bag_counts = [b for _, b in sizes]
+    flat, sent = serve_columns(table, local_rows, bag_counts)
+    if all_weights is not None and all_weights.requires_grad and not table.local:
+        # Tie the gathered weights into this rank's graph (with zero gradient) so
+        # that it joins their backward collective, which its peers will enter.
+        flat = flat + all_weights.sum() * 0
+    return assemble_columns(group, table, flat, sent, bag_counts[group.rank])

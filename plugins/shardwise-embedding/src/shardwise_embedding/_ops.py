@@ -1,0 +1,143 @@
+"""Entry points of the two sharded ops: parse, check, agree across ranks, then run the algorithm.
+
+Arguments are parsed with the dense ops' signatures, so positional and
+keyword calls (and ``nn.Embedding``/``nn.EmbeddingBag``'s calls) behave as
+they do on a dense weight. Checks that can only fail on some ranks are
+reported to the peers in the first collective (``_agree``), so every rank
+raises; checks of the weight itself are the same on every rank and raise
+at once.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+from shardwise import Group
+from shardwise_embedding import _colwise, _rowwise
+from shardwise_embedding._agree import agree
+from shardwise_embedding._inputs import Bags, bags_of, check_ids, options_of, table_of
+
+__all__ = ["sharded_embedding", "sharded_embedding_bag"]
+
+_EMBEDDING, _EMBEDDING_BAG = 0, 1
+_ERRORS = (TypeError, ValueError, IndexError, NotImplementedError)
+
+
+def _embedding_args(
+    input: Any, weight: Any, padding_idx: Any = None, max_norm: Any = None, norm_type: Any = 2.0,
+    scale_grad_by_freq: Any = False, sparse: Any = False,
+) -> dict[str, Any]:
+    return locals()
+
+
+def _embedding_bag_args(
+    input: Any, weight: Any, offsets: Any = None, max_norm: Any = None, norm_type: Any = 2,
+    scale_grad_by_freq: Any = False, mode: Any = "mean", sparse: Any = False, per_sample_weights: Any = None,
+    include_last_offset: Any = False, padding_idx: Any = None,
+) -> dict[str, Any]:
+    return locals()
+
+
+def _group_of(weight: Any, process_group: Any) -> Group:
+    group = process_group if isinstance(process_group, Group) else getattr(weight, "process_group", None)
+    if not isinstance(group, Group):
+        raise TypeError("the sharded weight has no shardwise Group")
+    return group
+
+
+def _weights_flag(weights: Optional[torch.Tensor]) -> int:
+    if weights is None:
+        return 0
+    return 2 if weights.requires_grad and torch.is_grad_enabled() else 1
+
+
+def sharded_embedding(args: Any, kwargs: dict[str, Any], process_group: Any) -> torch.Tensor:
+    """``F.embedding(input, weight, ...)`` with ``weight`` a row- or column-sharded ShardedTensor."""
+    a = _embedding_args(*args, **kwargs)
+    table = table_of(a["weight"], "embedding")
+    group = _group_of(a["weight"], process_group)
+    error: Optional[Exception] = None
+    sizes: list[int] = [0] * group.size if table.dim == 0 else [0]
+    signature = [_EMBEDDING, table.dim] + [0] * 6
+    try:
+        opts = options_of(table, "embedding", a["padding_idx"], a["max_norm"], a["norm_type"],
+                          a["scale_grad_by_freq"], a["sparse"])
+        signature = opts.signature(_EMBEDDING, table.dim, 0)
+        ids = check_ids(a["input"], table, "embedding")
+        shape = tuple(a["input"].shape)
+        if table.dim == 0:
+            route = _rowwise.RowRoute(table, ids, group.size)
+            sizes = route.send_counts
+        else:
+            uniq, inverse, freq = torch.unique(ids, return_inverse=True, return_counts=True)
+            sizes = [uniq.numel()]
+    except _ERRORS as exc:
+        error = exc
+    everyone = agree(group, "embedding", error, signature, sizes)
+    if table.dim == 0:
+        recv = [row[group.rank] for row in everyone]
+        return _rowwise.lookup_rowwise(group, table, opts, route, recv, shape)
+    rows = _colwise.lookup_colwise(group, table, opts, uniq, freq, [row[0] for row in everyone])
+    return rows[inverse].reshape(*shape, table.cols)
+
+
+def sharded_embedding_bag(args: Any, kwargs: dict[str, Any], process_group: Any) -> torch.Tensor:
+    """``F.embedding_bag(input, weight, ...)`` with ``weight`` a row- or column-sharded ShardedTensor."""
+    a = _embedding_bag_args(*args, **kwargs)
+    table = table_of(a["weight"], "embedding_bag")
+    group = _group_of(a["weight"], process_group)
+    error: Optional[Exception] = None
+    pooled = table.dim == 0 and a["mode"] in ("sum", "mean")
+    sizes: list[int] = [0] * (group.size + 1) if table.dim == 0 else [0, 0]
+    signature = [_EMBEDDING_BAG, table.dim] + [0] * 6
+    try:
+        opts = options_of(table, "embedding_bag", a["padding_idx"], a["max_norm"], a["norm_type"],
+                          a["scale_grad_by_freq"], a["sparse"], a["mode"])
+        signature = opts.signature(_EMBEDDING_BAG, table.dim, _weights_flag(a["per_sample_weights"]))
+        bags = bags_of(table, a["input"], a["offsets"], a["per_sample_weights"], bool(a["include_last_offset"]),
+                       opts.mode)
+        if pooled:
+            bags = _drop_padding(bags, opts.padding_idx)
+            order, send_counts = _rowwise.destinations(table, bags.ids, group.size)
+            sizes = [*send_counts, bags.count]
+        elif table.dim == 0:
+            keep = bags.ids != opts.padding_idx if opts.padding_idx is not None else None
+            route = _rowwise.RowRoute(table, bags.ids if keep is None else bags.ids[keep], group.size)
+            sizes = [*route.send_counts, bags.count]
+        else:
+            sizes = [bags.ids.numel(), bags.count]
+    except _ERRORS as exc:
+        error = exc
+    everyone = agree(group, "embedding_bag", error, signature, sizes)
+    if table.dim == 1:
+        return _colwise.bag_colwise(group, table, opts, bags.ids, bags.lengths, bags.weights,
+                                    [(row[0], row[1]) for row in everyone])
+    recv = [row[group.rank] for row in everyone]
+    bag_counts = [row[-1] for row in everyone]
+    if pooled:
+        return _rowwise.bag_rowwise_pooled(group, table, opts, bags, bag_counts, recv, send_counts, order)
+    # max mode: fetch each distinct row once, then pool locally with the dense op (its tie-breaking included).
+    rows = _rowwise.route_rows(group, table, opts, route, recv)
+    index = route.inverse
+    starts = bags.lengths.cumsum(0) - bags.lengths
+    if keep is not None:
+        index = torch.full_like(bags.ids, rows.shape[0])
+        index[keep] = route.inverse
+        rows = torch.cat([rows, rows.new_zeros((1, table.cols))])
+        return F.embedding_bag(index, rows, starts, mode="max", padding_idx=rows.shape[0] - 1)
+    return F.embedding_bag(index, rows, starts, mode="max")
+
+
+def _drop_padding(bags: Bags, padding_idx: Optional[int]) -> Bags:
+    """The bags without their padding entries (which neither add to a bag nor count for its mean)."""
+    if padding_idx is None:
+        return bags
+    keep = bags.ids != padding_idx
+    if bool(keep.all()):
+        return bags
+    bag = bags.bag_of_each_id()
+    lengths = torch.bincount(bag[keep], minlength=bags.count)
+    return Bags(bags.ids[keep], lengths, None if bags.weights is None else bags.weights[keep])

@@ -1,0 +1,158 @@
+"""Row-wise sharded lookups: each id travels to the rank that owns its row.
+
+``embedding`` (and ``embedding_bag`` in max mode): every rank deduplicates
+its ids, sends each distinct id once to its row's owner (``all_to_all``),
+the owner looks the rows up in its shard, and the rows come back along the
+same route (an autograd ``all_to_all``, so gradients retrace it into the
+owner's shard). Only distinct ids and their rows cross the wire — not, as
+in torch 2.13, every rank's ids to every rank and a reduce-scatter of the
+whole output.
+
+``embedding_bag`` in sum/mean mode: ids travel with their bag number; the
+owner pools the rows it owns into partial bags for every rank, and one
+``reduce_scatter`` adds the partial bags up on the rank they belong to.
+Only ids and one row per bag and owner cross the wire.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+import shardwise.nn.functional as dist_f
+from shardwise import Group
+from shardwise_embedding._grad import scale_grad
+from shardwise_embedding._inputs import Bags, Options, Table, zeros_in_graph
+
+__all__ = ["RowRoute", "bag_rowwise_pooled", "destinations", "lookup_rowwise", "route_rows"]
+
+
+def destinations(table: Table, ids: torch.Tensor, world: int) -> tuple[torch.Tensor, list[int]]:
+    """The stable order that groups ``ids`` by the rank owning their row, and how many go to each rank."""
+    starts = torch.tensor([s[0] for s in table.shards], dtype=torch.int64)
+    owners = torch.tensor([s[2] for s in table.shards], dtype=torch.int64)
+    # An empty shard shares its offset with the next one; searchsorted(right) picks the last, non-empty one.
+    dest = owners[torch.searchsorted(starts, ids, right=True) - 1]
+    return torch.argsort(dest, stable=True), torch.bincount(dest, minlength=world).tolist()
+
+
+class RowRoute:
+    """Where each distinct id of this rank goes, and how its row comes back.
+
+    Attributes:
+        uniq: This rank's distinct ids (sorted).
+        inverse: Position in ``uniq`` of each original id.
+        send: The distinct ids in destination-rank order.
+        freq: Occurrences of each id of ``send`` on this rank.
+        send_counts: Ids sent to each rank.
+        back: Position in ``send`` of each entry of ``uniq``.
+    """
+
+    def __init__(self, table: Table, ids: torch.Tensor, world: int) -> None:
+        self.uniq, self.inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
+        order, self.send_counts = destinations(table, self.uniq, world)
+        self.send = self.uniq[order]
+        self.freq = counts[order]
+        self.back = torch.empty_like(order)
+        self.back[order] = torch.arange(order.numel())
+
+
+def _lookup_local(table: Table, opts: Options, ids: torch.Tensor) -> torch.Tensor:
+    """Rows of (global) ``ids``, all owned by this rank, from its local shard(s); autograd into the shards."""
+    rows = None
+    for offset, size, shard in table.local:
+        local = ids - offset
+        inside = (local >= 0) & (local < size)
+        pad = None
+        if opts.padding_idx is not None and 0 <= opts.padding_idx - offset < size:
+            pad = opts.padding_idx - offset
+        if bool(inside.all()):
+            return F.embedding(local, shard, pad, opts.max_norm, opts.norm_type)
+        if rows is None:
+            rows = zeros_in_graph(table, ids.numel())
+        if bool(inside.any()):
+            rows = rows.index_put((inside.nonzero().squeeze(1),),
+                                  F.embedding(local[inside], shard, pad, opts.max_norm, opts.norm_type))
+    return zeros_in_graph(table, ids.numel()) if rows is None else rows
+
+
+def route_rows(group: Group, table: Table, opts: Options, route: RowRoute, recv_counts: list[int]) -> torch.Tensor:
+    """Exchange ids, look up owned rows, send them back: the rows of ``route.uniq``, in that order."""
+    payload = torch.stack([route.send, route.freq], dim=1)
+    received = group.all_to_all_single(payload, recv_counts, route.send_counts)
+    ids, freq = received[:, 0], received[:, 1]
+    rows = _lookup_local(table, opts, ids)
+    if opts.scale_grad_by_freq and ids.numel():
+        # The owner sees every rank's count of its ids: scale by the global frequency, as one dense batch would.
+        seen, where = torch.unique(ids, return_inverse=True)
+        total = torch.zeros(seen.numel(), dtype=torch.int64).index_add_(0, where, freq)
+        rows = scale_grad(rows, 1.0 / total[where].to(rows.dtype))
+    out = rows.new_empty((len(route.send), table.cols))
+    back = dist_f.all_to_all_single(out, rows, route.send_counts, recv_counts, group=group)
+    return back[route.back]
+
+
+def lookup_rowwise(
+    group: Group, table: Table, opts: Options, route: RowRoute, recv_counts: list[int], shape: tuple[int, ...]
+) -> torch.Tensor:
+    """``F.embedding`` of the ids ``route`` was built from, shaped ``shape + (D,)``."""
+    rows = route_rows(group, table, opts, route, recv_counts)
+    return rows[route.inverse].reshape(*shape, table.cols)
+
+
+def bag_rowwise_pooled(
+    group: Group, table: Table, opts: Options, bags: Bags, bag_counts: list[int], recv_counts: list[int],
+    send_counts: list[int], order: torch.Tensor,
+) -> torch.Tensor:
+    """``F.embedding_bag`` in sum/mean mode: owners pool partial bags, a reduce-scatter adds them up.
+
+    Args:
+        bags: This rank's bags, padding entries already removed (so
+            ``bags.lengths`` counts what a mean divides by).
+        bag_counts: Number of bags on every rank.
+        recv_counts: Entries each rank sends here.
+        send_counts: Entries this rank sends to each rank.
+        order: Permutation of ``bags.ids`` into destination-rank order.
+    """
+    me = group.rank
+    bag = bags.bag_of_each_id()
+    payload = torch.stack([bags.ids[order], bag[order]], dim=1)
+    received = group.all_to_all_single(payload, recv_counts, send_counts)
+    weights: Optional[torch.Tensor] = None
+    if bags.weights is not None:
+        w = bags.weights[order]
+        box = w.new_empty(sum(recv_counts))
+        weights = dist_f.all_to_all_single(box, w, recv_counts, send_counts, group=group)
+    # Bag numbers become global (rank r's bags follow those of ranks < r); entries stay in bag order.
+    base = torch.tensor([0, *bag_counts[:-1]], dtype=torch.int64).cumsum(0)
+    source = torch.repeat_interleave(torch.arange(group.size), torch.tensor(recv_counts, dtype=torch.int64))
+    ids, global_bag = received[:, 0], received[:, 1] + base[source]
+    total_bags = sum(bag_counts)
+    partial: Optional[torch.Tensor] = None
+    for offset, size, shard in table.local:
+        local = ids - offset
+        inside = (local >= 0) & (local < size)
+        if not bool(inside.all()):
+            local, chosen = local[inside], global_bag[inside]
+            w_in = None if weights is None else weights[inside]
+        else:
+            chosen, w_in = global_bag, weights
+        per_bag = torch.bincount(chosen, minlength=total_bags)
+        starts = per_bag.cumsum(0) - per_bag
+        pooled = F.embedding_bag(
+            local, shard, starts, max_norm=opts.max_norm, norm_type=opts.norm_type,
+            scale_grad_by_freq=opts.scale_grad_by_freq, mode="sum", per_sample_weights=w_in,
+        )
+        partial = pooled if partial is None else partial + pooled
+    if partial is None:
+        partial = zeros_in_graph(table, total_bags)
+        if weights is not None and weights.requires_grad:
+            # Join the weights' backward all-to-all, which the peers will enter.
+            partial = partial + weights.sum() * 0
+    out = partial.new_empty((bag_counts[me], table.cols))
+    summed = dist_f.reduce_scatter(out, list(partial.split(bag_counts)), group=group)
+    if opts.mode == "mean":
+        summed = summed / bags.lengths.clamp(min=1).unsqueeze(1).to(summed.dtype)
+    return summed
