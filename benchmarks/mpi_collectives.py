@@ -17,15 +17,14 @@ benchmarks/results/mpi_collectives.md and prints it.
 
 from __future__ import annotations
 
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable
 
 import shardwise_mpi  # noqa: F401  (registers the torch backend and its mpiexec rendezvous)
 import torch
 import torch.distributed as dist
+from _timing import library_line, mpi, time_all, with_verify
 
 import shardwise
 from shardwise.torch_group import wrap_process_group
@@ -36,32 +35,13 @@ SIZES_MIB = (1, 16, 64)
 COLUMNS = ("raw", "mpi", "mpi+verify", "gloo", "gloo+verify")
 
 
-def time_all(comm: Any, calls: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
-    """Median seconds per call of each entry, interleaved so drift and noise hit all alike."""
-    for fn in calls.values():
-        for _ in range(WARMUP):
-            fn()
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    names = list(calls)
-    for i in range(repeats):
-        for name in names[i % len(names):] + names[: i % len(names)]:
-            comm.Barrier()
-            start = time.perf_counter()
-            calls[name]()
-            times[name].append(time.perf_counter() - start)
-    # Every rank must agree on the figure: take the slowest rank's median.
-    return {name: comm.allreduce(statistics.median(ts), op=_mpi().MAX) for name, ts in times.items()}
 
 
-def _mpi() -> Any:
-    from mpi4py import MPI
-
-    return MPI
 
 
 def cases(n: int, size: int, rank: int) -> dict[str, dict[str, Callable[[Any], Callable[[], Any]]]]:
     """collective -> {"raw": make(comm), "group": make(group)}; each make returns the call to time."""
-    MPI = _mpi()
+    MPI = mpi()
     chunk = n // size
     t = torch.full((n,), float(rank + 1))
     pieces = list(t.split(chunk))
@@ -94,22 +74,21 @@ def cases(n: int, size: int, rank: int) -> dict[str, dict[str, Callable[[Any], C
 
 
 def main() -> int:
-    MPI = _mpi()
-    mpi = shardwise.init("mpi")
-    comm = MPI.COMM_WORLD
+    mpi_group = shardwise.init("mpi")
+    comm = mpi().COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     dist.init_process_group("gloo")  # rendezvous through MPI: no MASTER_ADDR needed
     gloo = wrap_process_group(dist.group.WORLD)
-    groups = {"mpi": mpi, "gloo": gloo}
+    groups = {"mpi": mpi_group, "gloo": gloo}
     rows = []
     for mib in SIZES_MIB:
         n = mib * 2**20 // 4 // size * size
         for name, impls in cases(n, size, rank).items():
             calls = {"raw": impls["raw"](comm)}
             for label, grp in groups.items():
-                calls[label] = _with_verify(grp, False, impls["group"](grp))
-                calls[label + "+verify"] = _with_verify(grp, True, impls["group"](grp))
-            rows.append((name, mib, time_all(comm, calls, REPEATS[mib])))
+                calls[label] = with_verify(grp, False, impls["group"](grp))
+                calls[label + "+verify"] = with_verify(grp, True, impls["group"](grp))
+            rows.append((name, mib, time_all(comm, calls, REPEATS[mib], WARMUP)))
     if rank == 0:
         text = table(rows, size)
         out = Path(__file__).parent / "results" / "mpi_collectives.md"
@@ -120,20 +99,12 @@ def main() -> int:
     return 0
 
 
-def _with_verify(group: Any, verify: bool, fn: Callable[[], Any]) -> Callable[[], Any]:
-    def call() -> Any:
-        group.verify = verify
-        return fn()
-
-    return call
 
 
 def table(rows: list[tuple[str, int, dict[str, float]]], size: int) -> str:
-    MPI = _mpi()
     lines = [
         f"{size} ranks, float32, per-rank buffer size; median of {'/'.join(map(str, REPEATS.values()))} calls "
-        f"(1/16/64 MiB) after {WARMUP} warm-up, slowest rank's median; torch {torch.__version__}, "
-        f"mpi4py {sys.modules['mpi4py'].__version__}, {' '.join(MPI.Get_library_version().split()[:3])}.",
+        f"(1/16/64 MiB) after {WARMUP} warm-up, slowest rank's median; {library_line()}.",
         "Ratios are to raw mpi4py on the same buffers. `verify` = the default cross-rank handshake.",
         "",
         "| collective | MiB | raw mpi4py ms | shardwise mpi ms | ratio | mpi+verify ms | ratio "

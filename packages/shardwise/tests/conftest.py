@@ -8,7 +8,6 @@ switch entry-point autoloading off so installed plugins cannot interfere.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from typing import Iterator
@@ -18,6 +17,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from shardwise import _registry  # noqa: E402
+from shardwise.testing import isolated_plugins  # noqa: E402
 
 #: Environment for ranks started by ``run_ranks`` in core tests.
 RANK_ENV = {
@@ -27,14 +27,10 @@ RANK_ENV = {
 
 
 @pytest.fixture(autouse=True)
-def fresh_plugin_manager(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def fresh_plugin_manager() -> Iterator[None]:
     """Each test starts from a plugin manager built from its own environment."""
-    for name in list(os.environ):
-        if name.startswith("SHARDWISE_"):
-            monkeypatch.delenv(name)
-    previous = _registry.reset()
-    yield
-    _registry.reset(previous)
+    with isolated_plugins():
+        yield
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator, Mapping, NoReturn, Optional, Sequence
+from typing import TYPE_CHECKING, Mapping, NoReturn, Optional, Sequence
 
 import torch
 
@@ -297,7 +297,7 @@ def execute(
             return None
         send = pack(pl, sources, wire_dtype, group.device)
         size = wire_dtype.itemsize
-        with _handshake_off(group) if trusted else contextlib.nullcontext():
+        with group.unverified() if trusted else contextlib.nullcontext():
             recv = group.all_to_all_single(
                 send.view(torch.uint8),
                 output_split_sizes=[n * size for n in pl.recv_counts],
@@ -307,16 +307,6 @@ def execute(
         flat = recv.view(wire_dtype)
         unpack(pl, flat, targets)
         return flat
-
-
-@contextlib.contextmanager
-def _handshake_off(group: Group) -> Iterator[None]:
-    saved = group.verify
-    group.verify = False
-    try:
-        yield
-    finally:
-        group.verify = saved
 
 
 def match_sources(shards: Sequence[Shard], md: ShardedTensorMetadata, rank: int) -> dict[int, torch.Tensor]:

@@ -15,8 +15,9 @@ while the others wait forever.
 from __future__ import annotations
 
 import abc
+import contextlib
 import os
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -142,6 +143,29 @@ class GroupBase(abc.ABC):
 
     def destroy(self) -> None:  # noqa: B027 - backends without resources need not override it
         """Release the backend's resources; the group is unusable afterwards."""
+
+    @contextlib.contextmanager
+    def unverified(self) -> Iterator[None]:
+        """Run the block's collectives without the per-collective handshake.
+
+        For code that has already agreed with its peers on every size and
+        on which collectives follow (one exchange up front, then several
+        collectives): checking each again would cost a round trip each.
+        Collectives whose sizes only the handshake can tell still run it.
+        ``verify`` is restored on leaving the block.
+
+        Example::
+
+            sizes = group.exchange(my_counts)       # one agreement
+            with group.unverified():
+                out = group.all_to_all_single(data, recv_counts, send_counts)
+        """
+        saved = self.verify
+        self.verify = False
+        try:
+            yield
+        finally:
+            self.verify = saved
 
     #: For backends' fast paths: one flat view of tensors that already lie
     #: back to back in one buffer (``t.split(n)``), or None.

@@ -23,11 +23,48 @@ from shardwise import Group
 from shardwise.errors import CollectiveMismatchError, PeerError
 from shardwise_embedding._inputs import BadIds
 
-__all__ = ["agree"]
+__all__ = ["agree", "agree_and_gather"]
 
 _KINDS: tuple[type[Exception], ...] = (BadIds, TypeError, ValueError, NotImplementedError, IndexError)
 _SIGNATURE_NAMES = ("op", "sharding dim", "mode", "per_sample_weights given", "padding_idx", "max_norm", "norm_type",
                     "scale_grad_by_freq")
+
+
+def _header(error: Optional[Exception], signature: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
+    status, bad = 0, 0
+    if error is not None:
+        status = 1 + next((i for i, kind in enumerate(_KINDS) if isinstance(error, kind)), len(_KINDS))
+        bad = error.value if isinstance(error, BadIds) else 0
+        # A failed rank's signature and sizes are meaningless; only the row's width matters.
+        return torch.tensor([status, bad] + [0] * (len(signature) + len(sizes)), dtype=torch.int64)
+    return torch.tensor([status, bad, *signature, *sizes], dtype=torch.int64)
+
+
+def _verdict(rows: list[list[int]], op: str, error: Optional[Exception], width: int) -> list[list[int]]:
+    """Raise on every rank if any rank failed or the signatures differ; else every rank's sizes."""
+    if error is not None:
+        raise error
+    failed = [r for r, row in enumerate(rows) if row[0]]
+    if failed:
+        ids = [(r, rows[r][1]) for r in failed if rows[r][0] == 1]
+        if ids:
+            shown = ", ".join(f"id {value} on rank {r}" for r, value in ids)
+            raise IndexError(f"{op}: {shown} out of range for an embedding of the sharded weight; no data was sent")
+        kinds = ", ".join(
+            f"rank {r} ({_KINDS[rows[r][0] - 1].__name__ if rows[r][0] <= len(_KINDS) else 'error'})"
+            for r in failed
+        )
+        raise PeerError(f"{op}: {kinds} rejected its arguments, so no data was sent; see that rank's traceback")
+    first = rows[0][2 : 2 + width]
+    for r, row in enumerate(rows):
+        theirs = row[2 : 2 + width]
+        if theirs != first:
+            which = next(i for i, (a, b) in enumerate(zip(first, theirs, strict=True)) if a != b)
+            name = _SIGNATURE_NAMES[which] if which < len(_SIGNATURE_NAMES) else f"option {which}"
+            raise CollectiveMismatchError(
+                f"{op}: ranks 0 and {r} called with a different {name}; every rank must pass the same options"
+            )
+    return [row[2 + width :] for row in rows]
 
 
 def agree(
@@ -54,37 +91,31 @@ def agree(
         range; PeerError when a peer had another bad argument;
         CollectiveMismatchError when signatures differ.
     """
-    width = 2 + len(signature) + len(sizes)
-    status, bad = 0, 0
-    if error is not None:
-        status = 1 + next((i for i, kind in enumerate(_KINDS) if isinstance(error, kind)), len(_KINDS))
-        bad = error.value if isinstance(error, BadIds) else 0
-    mine = torch.tensor([status, bad, *signature, *sizes], dtype=torch.int64)
-    if error is not None:
-        mine[2:] = 0  # a failed rank's sizes are meaningless; keep the row's width only
-    table = torch.empty(width * group.size, dtype=torch.int64)
+    mine = _header(error, signature, sizes)
+    table = mine.new_empty(mine.numel() * group.size)
     group.all_gather(mine, out=table)
-    rows = table.view(group.size, width).tolist()
-    if error is not None:
-        raise error
-    failed = [r for r, row in enumerate(rows) if row[0]]
-    if failed:
-        ids = [(r, rows[r][1]) for r in failed if rows[r][0] == 1]
-        if ids:
-            shown = ", ".join(f"id {value} on rank {r}" for r, value in ids)
-            raise IndexError(f"{op}: {shown} out of range for an embedding of the sharded weight; no data was sent")
-        kinds = ", ".join(
-            f"rank {r} ({_KINDS[rows[r][0] - 1].__name__ if rows[r][0] <= len(_KINDS) else 'error'})"
-            for r in failed
-        )
-        raise PeerError(f"{op}: {kinds} rejected its arguments, so no data was sent; see that rank's traceback")
-    first = rows[0][2 : 2 + len(signature)]
-    for r, row in enumerate(rows):
-        theirs = row[2 : 2 + len(signature)]
-        if theirs != first:
-            which = next(i for i, (a, b) in enumerate(zip(first, theirs, strict=True)) if a != b)
-            name = _SIGNATURE_NAMES[which] if which < len(_SIGNATURE_NAMES) else f"option {which}"
-            raise CollectiveMismatchError(
-                f"{op}: ranks 0 and {r} called with a different {name}; every rank must pass the same options"
-            )
-    return [row[2 + len(signature) :] for row in rows]
+    return _verdict(table.view(group.size, -1).tolist(), op, error, len(signature))
+
+
+def agree_and_gather(
+    group: Group,
+    op: str,
+    error: Optional[Exception],
+    signature: Sequence[int],
+    sizes: Sequence[int],
+    payload: torch.Tensor,
+) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """:func:`agree`, and all-gather a 1-D int64 ``payload`` (any length) in the same collective.
+
+    For algorithms whose first step is an all-gather anyway (column-wise):
+    one collective both agrees on the call and moves the data.
+
+    Returns:
+        Every rank's ``sizes`` and every rank's payload, in rank order.
+    """
+    head = _header(error, signature, sizes)
+    body = payload if error is None else payload.new_empty(0)
+    pieces = group.all_gather(torch.cat([head, body.to(torch.int64)]))
+    rows = [piece[: head.numel()].tolist() for piece in pieces]
+    sizes_of_all = _verdict(rows, op, error, len(signature))
+    return sizes_of_all, [piece[head.numel() :] for piece in pieces]

@@ -102,16 +102,20 @@ def assemble_columns(group: Group, table: Table, flat: torch.Tensor, sent: list[
 
 
 def lookup_colwise(
-    group: Group, table: Table, opts: Options, uniq: torch.Tensor, freq: torch.Tensor, counts: list[int]
+    group: Group, table: Table, opts: Options, all_ids: torch.Tensor, all_freq: Optional[torch.Tensor],
+    counts: list[int],
 ) -> torch.Tensor:
-    """Rows (all columns) of this rank's distinct ids ``uniq``, given every rank's count of distinct ids."""
-    payload = torch.stack([uniq, freq], dim=1)
-    gathered = torch.cat(gather_uneven(group, payload, counts))
-    all_ids, all_freq = gathered[:, 0], gathered[:, 1]
+    """Rows (all columns) of this rank's distinct ids.
+
+    Args:
+        all_ids: Every rank's distinct ids, in rank order (the all-gather's result).
+        all_freq: Their occurrence counts (only for ``scale_grad_by_freq``).
+        counts: Number of distinct ids of every rank.
+    """
     if opts.max_norm is not None:
         renorm_columns(group, table, opts, all_ids)
     scale: Optional[torch.Tensor] = None
-    if opts.scale_grad_by_freq and all_ids.numel():
+    if opts.scale_grad_by_freq and all_freq is not None and all_ids.numel():
         seen, where = torch.unique(all_ids, return_inverse=True)
         total = torch.zeros(seen.numel(), dtype=torch.int64).index_add_(0, where, all_freq)
         scale = 1.0 / total[where].to(table.weight.dtype)
@@ -120,23 +124,20 @@ def lookup_colwise(
         rows = F.embedding(all_ids, shard, opts.padding_idx)
         local_rows.append(rows if scale is None else scale_grad(rows, scale))
     flat, sent = serve_columns(table, local_rows, counts)
-    return assemble_columns(group, table, flat, sent, uniq.numel())
+    return assemble_columns(group, table, flat, sent, counts[group.rank])
 
 
 def bag_colwise(
-    group: Group, table: Table, opts: Options, ids: torch.Tensor, lengths: torch.Tensor,
+    group: Group, table: Table, opts: Options, all_ids: torch.Tensor, all_lengths: torch.Tensor,
     weights: Optional[torch.Tensor], sizes: list[tuple[int, int]],
 ) -> torch.Tensor:
     """``F.embedding_bag`` over column shards: owners pool every rank's bags over their columns.
 
     Args:
-        ids, lengths, weights: This rank's bags (see ``Bags``).
+        all_ids, all_lengths: Every rank's bags (ids, and ids per bag), in rank order.
+        weights: This rank's ``per_sample_weights`` (or None).
         sizes: ``(number of ids, number of bags)`` of every rank.
     """
-    packed = torch.cat([ids, lengths])
-    pieces = gather_uneven(group, packed, [n + b for n, b in sizes])
-    all_ids = torch.cat([p[:n] for p, (n, _) in zip(pieces, sizes, strict=True)])
-    all_lengths = torch.cat([p[n:] for p, (n, _) in zip(pieces, sizes, strict=True)])
     all_weights: Optional[torch.Tensor] = None
     if weights is not None:
         if weights.requires_grad and torch.is_grad_enabled():

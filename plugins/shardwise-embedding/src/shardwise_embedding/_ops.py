@@ -5,7 +5,8 @@ keyword calls (and ``nn.Embedding``/``nn.EmbeddingBag``'s calls) behave as
 they do on a dense weight. Checks that can only fail on some ranks are
 reported to the peers in the first collective (``_agree``), so every rank
 raises; checks of the weight itself are the same on every rank and raise
-at once.
+at once. After that agreement every size is known on every rank, so the
+op's own collectives run without the group's handshake (``unverified``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 
 from shardwise import Group
 from shardwise_embedding import _colwise, _rowwise
-from shardwise_embedding._agree import agree
+from shardwise_embedding._agree import agree, agree_and_gather
 from shardwise_embedding._inputs import Bags, bags_of, check_ids, options_of, table_of
 
 __all__ = ["sharded_embedding", "sharded_embedding_bag"]
@@ -62,6 +63,7 @@ def sharded_embedding(args: Any, kwargs: dict[str, Any], process_group: Any) -> 
     error: Optional[Exception] = None
     sizes: list[int] = [0] * group.size if table.dim == 0 else [0]
     signature = [_EMBEDDING, table.dim] + [0] * 6
+    payload = torch.empty(0, dtype=torch.int64)
     try:
         opts = options_of(table, "embedding", a["padding_idx"], a["max_norm"], a["norm_type"],
                           a["scale_grad_by_freq"], a["sparse"])
@@ -72,16 +74,24 @@ def sharded_embedding(args: Any, kwargs: dict[str, Any], process_group: Any) -> 
             route = _rowwise.RowRoute(table, ids, group.size)
             sizes = route.send_counts
         else:
-            uniq, inverse, freq = torch.unique(ids, return_inverse=True, return_counts=True)
+            uniq, inverse, freq = _rowwise.distinct(ids, table.rows)
             sizes = [uniq.numel()]
+            payload = torch.cat([uniq, freq]) if opts.scale_grad_by_freq else uniq
     except _ERRORS as exc:
         error = exc
-    everyone = agree(group, "embedding", error, signature, sizes)
     if table.dim == 0:
-        recv = [row[group.rank] for row in everyone]
-        return _rowwise.lookup_rowwise(group, table, opts, route, recv, shape)
-    rows = _colwise.lookup_colwise(group, table, opts, uniq, freq, [row[0] for row in everyone])
-    return rows[inverse].reshape(*shape, table.cols)
+        everyone = agree(group, "embedding", error, signature, sizes)
+        with group.unverified():
+            return _rowwise.lookup_rowwise(group, table, opts, route, [row[group.rank] for row in everyone], shape)
+    everyone, pieces = agree_and_gather(group, "embedding", error, signature, sizes, payload)
+    counts = [row[0] for row in everyone]
+    all_ids = torch.cat([piece[:n] for piece, n in zip(pieces, counts, strict=True)])
+    all_freq = None
+    if opts.scale_grad_by_freq:
+        all_freq = torch.cat([piece[n:] for piece, n in zip(pieces, counts, strict=True)])
+    with group.unverified():
+        rows = _colwise.lookup_colwise(group, table, opts, all_ids, all_freq, counts)
+    return F.embedding(inverse.reshape(shape), rows)
 
 
 def sharded_embedding_bag(args: Any, kwargs: dict[str, Any], process_group: Any) -> torch.Tensor:
@@ -111,21 +121,27 @@ def sharded_embedding_bag(args: Any, kwargs: dict[str, Any], process_group: Any)
             sizes = [bags.ids.numel(), bags.count]
     except _ERRORS as exc:
         error = exc
-    everyone = agree(group, "embedding_bag", error, signature, sizes)
     if table.dim == 1:
-        return _colwise.bag_colwise(group, table, opts, bags.ids, bags.lengths, bags.weights,
-                                    [(row[0], row[1]) for row in everyone])
+        payload = torch.cat([bags.ids, bags.lengths]) if error is None else torch.empty(0, dtype=torch.int64)
+        everyone, pieces = agree_and_gather(group, "embedding_bag", error, signature, sizes, payload)
+        shapes = [(row[0], row[1]) for row in everyone]
+        all_ids = torch.cat([piece[:n] for piece, (n, _) in zip(pieces, shapes, strict=True)])
+        all_lengths = torch.cat([piece[n:] for piece, (n, _) in zip(pieces, shapes, strict=True)])
+        with group.unverified():
+            return _colwise.bag_colwise(group, table, opts, all_ids, all_lengths, bags.weights, shapes)
+    everyone = agree(group, "embedding_bag", error, signature, sizes)
     recv = [row[group.rank] for row in everyone]
     bag_counts = [row[-1] for row in everyone]
-    if pooled:
-        return _rowwise.bag_rowwise_pooled(group, table, opts, bags, bag_counts, recv, send_counts, order)
-    # max mode: fetch each distinct row once, then pool locally with the dense op (its tie-breaking included).
-    rows = _rowwise.route_rows(group, table, opts, route, recv)
-    index = route.inverse
+    with group.unverified():
+        if pooled:
+            return _rowwise.bag_rowwise_pooled(group, table, opts, bags, bag_counts, recv, send_counts, order)
+        # max mode: fetch each distinct row once, then pool locally with the dense op (its tie-breaking included).
+        rows = _rowwise.route_rows(group, table, opts, route, recv)
+    index = route.index
     starts = bags.lengths.cumsum(0) - bags.lengths
     if keep is not None:
         index = torch.full_like(bags.ids, rows.shape[0])
-        index[keep] = route.inverse
+        index[keep] = route.index
         rows = torch.cat([rows, rows.new_zeros((1, table.cols))])
         return F.embedding_bag(index, rows, starts, mode="max", padding_idx=rows.shape[0] - 1)
     return F.embedding_bag(index, rows, starts, mode="max")

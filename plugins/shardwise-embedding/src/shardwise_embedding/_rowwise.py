@@ -26,37 +26,62 @@ from shardwise import Group
 from shardwise_embedding._grad import scale_grad
 from shardwise_embedding._inputs import Bags, Options, Table, zeros_in_graph
 
-__all__ = ["RowRoute", "bag_rowwise_pooled", "destinations", "lookup_rowwise", "route_rows"]
+__all__ = ["RowRoute", "bag_rowwise_pooled", "destinations", "distinct", "lookup_rowwise", "route_rows"]
 
 
-def destinations(table: Table, ids: torch.Tensor, world: int) -> tuple[torch.Tensor, list[int]]:
-    """The stable order that groups ``ids`` by the rank owning their row, and how many go to each rank."""
+def destinations(table: Table, ids: torch.Tensor, world: int) -> tuple[Optional[torch.Tensor], list[int]]:
+    """How to group ``ids`` by the rank owning their row, and how many go to each rank.
+
+    Returns:
+        A stable permutation that groups the ids by destination rank (None
+        when they already are), and the number of ids for each rank.
+    """
     starts = torch.tensor([s[0] for s in table.shards], dtype=torch.int64)
     owners = torch.tensor([s[2] for s in table.shards], dtype=torch.int64)
     # An empty shard shares its offset with the next one; searchsorted(right) picks the last, non-empty one.
     dest = owners[torch.searchsorted(starts, ids, right=True) - 1]
-    return torch.argsort(dest, stable=True), torch.bincount(dest, minlength=world).tolist()
+    counts = torch.bincount(dest, minlength=world).tolist()
+    if dest.numel() < 2 or bool((dest[1:] >= dest[:-1]).all()):
+        return None, counts  # sorted ids and placements in rank order: nothing to permute
+    return torch.argsort(dest, stable=True), counts
+
+
+def distinct(ids: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``torch.unique(ids, return_inverse=True, return_counts=True)`` for ids in ``[0, rows)``.
+
+    When the table is not much larger than the batch, marking ids in a
+    table-sized mask is several times faster than sorting them.
+    """
+    if rows > 4 * ids.numel() + 1024:
+        return torch.unique(ids, return_inverse=True, return_counts=True)
+    present = torch.zeros(rows, dtype=torch.bool)
+    present[ids] = True
+    uniq = present.nonzero().squeeze(1)
+    inverse = (present.cumsum(0) - 1)[ids]
+    return uniq, inverse, torch.bincount(inverse, minlength=uniq.numel())
 
 
 class RowRoute:
-    """Where each distinct id of this rank goes, and how its row comes back.
+    """Where each distinct id of this rank goes, and where its row comes back.
 
     Attributes:
-        uniq: This rank's distinct ids (sorted).
-        inverse: Position in ``uniq`` of each original id.
-        send: The distinct ids in destination-rank order.
+        send: This rank's distinct ids, grouped by the rank owning their row.
         freq: Occurrences of each id of ``send`` on this rank.
         send_counts: Ids sent to each rank.
-        back: Position in ``send`` of each entry of ``uniq``.
+        index: For each original id, the position of its row among the rows
+            that come back (which arrive in ``send`` order).
     """
 
     def __init__(self, table: Table, ids: torch.Tensor, world: int) -> None:
-        self.uniq, self.inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
-        order, self.send_counts = destinations(table, self.uniq, world)
-        self.send = self.uniq[order]
-        self.freq = counts[order]
-        self.back = torch.empty_like(order)
-        self.back[order] = torch.arange(order.numel())
+        uniq, inverse, counts = distinct(ids, table.rows)
+        order, self.send_counts = destinations(table, uniq, world)
+        if order is None:
+            self.send, self.freq, self.index = uniq, counts, inverse
+        else:
+            self.send, self.freq = uniq[order], counts[order]
+            back = torch.empty_like(order)
+            back[order] = torch.arange(order.numel())
+            self.index = back[inverse]
 
 
 def _lookup_local(table: Table, opts: Options, ids: torch.Tensor) -> torch.Tensor:
@@ -79,10 +104,12 @@ def _lookup_local(table: Table, opts: Options, ids: torch.Tensor) -> torch.Tenso
 
 
 def route_rows(group: Group, table: Table, opts: Options, route: RowRoute, recv_counts: list[int]) -> torch.Tensor:
-    """Exchange ids, look up owned rows, send them back: the rows of ``route.uniq``, in that order."""
-    payload = torch.stack([route.send, route.freq], dim=1)
-    received = group.all_to_all_single(payload, recv_counts, route.send_counts)
-    ids, freq = received[:, 0], received[:, 1]
+    """Exchange ids, look up owned rows, send them back: the rows of ``route.send``, in that order."""
+    if opts.scale_grad_by_freq:
+        received = group.all_to_all_single(torch.stack([route.send, route.freq], dim=1), recv_counts, route.send_counts)
+        ids, freq = received[:, 0], received[:, 1]
+    else:
+        ids = group.all_to_all_single(route.send, recv_counts, route.send_counts)
     rows = _lookup_local(table, opts, ids)
     if opts.scale_grad_by_freq and ids.numel():
         # The owner sees every rank's count of its ids: scale by the global frequency, as one dense batch would.
@@ -90,8 +117,7 @@ def route_rows(group: Group, table: Table, opts: Options, route: RowRoute, recv_
         total = torch.zeros(seen.numel(), dtype=torch.int64).index_add_(0, where, freq)
         rows = scale_grad(rows, 1.0 / total[where].to(rows.dtype))
     out = rows.new_empty((len(route.send), table.cols))
-    back = dist_f.all_to_all_single(out, rows, route.send_counts, recv_counts, group=group)
-    return back[route.back]
+    return dist_f.all_to_all_single(out, rows, route.send_counts, recv_counts, group=group)
 
 
 def lookup_rowwise(
@@ -99,12 +125,13 @@ def lookup_rowwise(
 ) -> torch.Tensor:
     """``F.embedding`` of the ids ``route`` was built from, shaped ``shape + (D,)``."""
     rows = route_rows(group, table, opts, route, recv_counts)
-    return rows[route.inverse].reshape(*shape, table.cols)
+    # F.embedding, not rows[index]: its backward (a sorted segment sum) beats index_put's accumulate.
+    return F.embedding(route.index.reshape(shape), rows)
 
 
 def bag_rowwise_pooled(
     group: Group, table: Table, opts: Options, bags: Bags, bag_counts: list[int], recv_counts: list[int],
-    send_counts: list[int], order: torch.Tensor,
+    send_counts: list[int], order: Optional[torch.Tensor],
 ) -> torch.Tensor:
     """``F.embedding_bag`` in sum/mean mode: owners pool partial bags, a reduce-scatter adds them up.
 
@@ -114,15 +141,17 @@ def bag_rowwise_pooled(
         bag_counts: Number of bags on every rank.
         recv_counts: Entries each rank sends here.
         send_counts: Entries this rank sends to each rank.
-        order: Permutation of ``bags.ids`` into destination-rank order.
+        order: Permutation of ``bags.ids`` into destination-rank order (None: already).
     """
     me = group.rank
     bag = bags.bag_of_each_id()
-    payload = torch.stack([bags.ids[order], bag[order]], dim=1)
+    payload = torch.stack([bags.ids, bag], dim=1)
+    if order is not None:
+        payload = payload[order]
     received = group.all_to_all_single(payload, recv_counts, send_counts)
     weights: Optional[torch.Tensor] = None
     if bags.weights is not None:
-        w = bags.weights[order]
+        w = bags.weights if order is None else bags.weights[order]
         box = w.new_empty(sum(recv_counts))
         weights = dist_f.all_to_all_single(box, w, recv_counts, send_counts, group=group)
     # Bag numbers become global (rank r's bags follow those of ranks < r); entries stay in bag order.

@@ -75,7 +75,7 @@ class _ReduceScatter(Function):
     @staticmethod
     def forward(ctx: Any, group: Group, box: list[Tensor], op: str, *inputs: Tensor) -> Tensor:
         ctx.group, ctx.op = group, op
-        return box[0].copy_(group.reduce_scatter(list(inputs), op))
+        return group.reduce_scatter(list(inputs), op, out=box[0])
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Grads:
@@ -109,7 +109,7 @@ class _AllToAllSingle(Function):
     @staticmethod
     def forward(ctx: Any, group: Group, box: list[Tensor], rows: Splits, tensor: Tensor) -> Tensor:
         ctx.group, ctx.rows, ctx.in_shape = group, rows, tensor.shape
-        return box[0].copy_(group.all_to_all_single(tensor, *rows))
+        return group.all_to_all_single(tensor, *rows, out=box[0])
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Grads:

@@ -4,11 +4,13 @@
 processes, initialises shardwise in each, runs ``fn`` and returns every
 rank's result — or raises :class:`RankError` with every rank's traceback
 (and a stack dump of ranks that hung) once a rank fails or the timeout
-passes. It never hangs the test suite.
+passes. It never hangs the test suite. ``isolated_plugins()`` gives a test
+a plugin manager of its own.
 """
 
 from __future__ import annotations
 
 from shardwise.testing._harness import RankError, current_rank_dir, find_mpiexec, run_ranks
+from shardwise.testing._isolation import isolated_plugins
 
-__all__ = ["RankError", "current_rank_dir", "find_mpiexec", "run_ranks"]
+__all__ = ["RankError", "current_rank_dir", "find_mpiexec", "isolated_plugins", "run_ranks"]

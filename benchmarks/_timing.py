@@ -1,0 +1,59 @@
+"""Timing helpers shared by the benchmarks (run under ``mpiexec``; rank 0 reports)."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+__all__ = ["library_line", "mpi", "time_all", "with_verify"]
+
+
+def mpi() -> Any:
+    """``mpi4py.MPI``, imported on first use (importing it initialises MPI)."""
+    from mpi4py import MPI
+
+    return MPI
+
+
+def time_all(comm: Any, calls: dict[str, Callable[[], Any]], repeats: int, warmup: int) -> dict[str, float]:
+    """Median seconds per call of each entry, the slowest rank's.
+
+    Calls are interleaved, rotating the order every round, so drift and
+    noise from other work hit every entry alike; a barrier precedes each.
+    """
+    for fn in calls.values():
+        for _ in range(warmup):
+            comm.Barrier()
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    names = list(calls)
+    for i in range(repeats):
+        for name in names[i % len(names) :] + names[: i % len(names)]:
+            comm.Barrier()
+            start = time.perf_counter()
+            calls[name]()
+            times[name].append(time.perf_counter() - start)
+    # Every rank must report the same figure: the slowest rank's median.
+    return {name: comm.allreduce(statistics.median(ts), op=mpi().MAX) for name, ts in times.items()}
+
+
+def with_verify(group: Any, verify: bool, fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` run with ``group.verify`` set first (so interleaved entries can differ in it)."""
+
+    def call() -> Any:
+        group.verify = verify
+        return fn()
+
+    return call
+
+
+def library_line() -> str:
+    """torch, mpi4py and MPI library versions, for a results header."""
+    import torch
+
+    return (
+        f"torch {torch.__version__}, mpi4py {sys.modules['mpi4py'].__version__}, "
+        f"{' '.join(mpi().Get_library_version().split()[:3])}"
+    )
