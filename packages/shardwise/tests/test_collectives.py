@@ -184,6 +184,11 @@ def out_battery(verify: bool) -> str:
     assert not into.is_contiguous()
     _equal(into.contiguous(), torch.arange(4.0 * r, 4.0 * r + 4).reshape(2, 2) + (w - 1) / 2)
     _equal(g.reduce_scatter(rows, op=torch.distributed.ReduceOp.MAX), torch.arange(4.0 * r, 4.0 * r + 4).reshape(2, 2) + w - 1)
+    # A one-element tensor with stride 0 (as an expanded gradient is) counts as contiguous but
+    # cannot be viewed as bytes directly.
+    one = torch.tensor(float(r)).expand(1)
+    assert one.stride() == (0,)
+    _equal(torch.cat(g.all_gather(one)), torch.arange(float(w)))
     # all_reduce of a tensor carrying the lazy negation bit of a conjugate's imaginary part.
     z = torch.complex(torch.ones(3), torch.full((3,), float(r + 1)))
     neg = z.conj().imag

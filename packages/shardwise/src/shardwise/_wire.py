@@ -147,7 +147,12 @@ def to_bytes(tensor: torch.Tensor, device: Optional[torch.device]) -> torch.Tens
     wire = tensor.detach().resolve_conj().resolve_neg()
     if device is not None and wire.device != device:
         wire = wire.to(device)
-    return wire.contiguous().reshape(-1).view(torch.uint8)
+    flat = wire.contiguous().reshape(-1)
+    if flat.numel() <= 1 and flat.stride(0) != 1:
+        # A 0- or 1-element tensor counts as contiguous whatever its stride (an
+        # expanded gradient has stride 0), but a byte view needs stride 1.
+        flat = flat.clone(memory_format=torch.contiguous_format).as_strided((flat.numel(),), (1,))
+    return flat.view(torch.uint8)
 
 
 def from_bytes(flat: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import shardwise.nn.functional as dist_f
 from shardwise import Group
-from shardwise_embedding._grad import scale_grad
+from shardwise_embedding._grad import pool_by_frequency, scale_grad
 from shardwise_embedding._inputs import Options, Table, zeros_in_graph
 
 __all__ = ["assemble_columns", "bag_colwise", "gather_uneven", "lookup_colwise", "renorm_columns", "serve_columns"]
@@ -48,7 +48,9 @@ def renorm_columns(group: Group, table: Table, opts: Options, ids: torch.Tensor)
     p = opts.norm_type
     with torch.no_grad():
         partial = torch.zeros(rows.numel(), dtype=torch.float64)
-        for _, _, shard in table.local:
+        for _, size, shard in table.local:
+            if size == 0:
+                continue  # an empty column shard adds nothing to any norm (and amax of nothing is undefined)
             part = shard[rows].abs().to(torch.float64)
             partial = torch.maximum(partial, part.amax(1)) if math.isinf(p) else partial + part.pow(p).sum(1)
         group.all_reduce(partial, op="max" if math.isinf(p) else "sum")
@@ -147,14 +149,24 @@ def bag_colwise(
     if opts.max_norm is not None:
         renorm_columns(group, table, opts, all_ids)
     starts = all_lengths.cumsum(0) - all_lengths
-    local_rows = [
-        F.embedding_bag(
-            all_ids, shard, starts, scale_grad_by_freq=opts.scale_grad_by_freq, mode=opts.mode,
-            per_sample_weights=all_weights, padding_idx=opts.padding_idx,
-        )
-        for _, _, shard in table.local
-    ]
     bag_counts = [b for _, b in sizes]
+    local_rows = []
+    for _, _, shard in table.local:
+        if opts.scale_grad_by_freq:  # sum or mean (max refuses the option)
+            bag = torch.repeat_interleave(torch.arange(all_lengths.numel()), all_lengths)
+            pooled = pool_by_frequency(
+                all_ids, shard, bag, all_lengths.numel(), all_weights, opts.padding_idx, None, opts.norm_type
+            )
+            if opts.mode == "mean":
+                kept = all_lengths if opts.padding_idx is None else torch.bincount(
+                    bag[all_ids != opts.padding_idx], minlength=all_lengths.numel()
+                )
+                pooled = pooled / kept.clamp(min=1).unsqueeze(1).to(pooled.dtype)
+        else:
+            pooled = F.embedding_bag(
+                all_ids, shard, starts, mode=opts.mode, per_sample_weights=all_weights, padding_idx=opts.padding_idx
+            )
+        local_rows.append(pooled)
     flat, sent = serve_columns(table, local_rows, bag_counts)
     if all_weights is not None and all_weights.requires_grad and not table.local:
         # Tie the gathered weights into this rank's graph (with zero gradient) so

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from shardwise import Group
 from shardwise_embedding import _colwise, _rowwise
 from shardwise_embedding._agree import agree, agree_and_gather
-from shardwise_embedding._inputs import Bags, bags_of, check_ids, options_of, table_of
+from shardwise_embedding._inputs import Bags, Options, bags_of, check_ids, options_of, table_of
 
 __all__ = ["sharded_embedding", "sharded_embedding_bag"]
 
@@ -110,12 +110,11 @@ def sharded_embedding_bag(args: Any, kwargs: dict[str, Any], process_group: Any)
         bags = bags_of(table, a["input"], a["offsets"], a["per_sample_weights"], bool(a["include_last_offset"]),
                        opts.mode)
         if pooled:
-            bags = _drop_padding(bags, opts.padding_idx)
+            bags, divisor = _drop_padding(bags, opts)
             order, send_counts = _rowwise.destinations(table, bags.ids, group.size)
             sizes = [*send_counts, bags.count]
         elif table.dim == 0:
-            keep = bags.ids != opts.padding_idx if opts.padding_idx is not None else None
-            route = _rowwise.RowRoute(table, bags.ids if keep is None else bags.ids[keep], group.size)
+            route = _rowwise.RowRoute(table, bags.ids, group.size)
             sizes = [*route.send_counts, bags.count]
         else:
             sizes = [bags.ids.numel(), bags.count]
@@ -134,26 +133,31 @@ def sharded_embedding_bag(args: Any, kwargs: dict[str, Any], process_group: Any)
     bag_counts = [row[-1] for row in everyone]
     with group.unverified():
         if pooled:
-            return _rowwise.bag_rowwise_pooled(group, table, opts, bags, bag_counts, recv, send_counts, order)
+            return _rowwise.bag_rowwise_pooled(group, table, opts, bags, divisor, bag_counts, recv, send_counts, order)
         # max mode: fetch each distinct row once, then pool locally with the dense op (its tie-breaking included).
         rows = _rowwise.route_rows(group, table, opts, route, recv)
-    index = route.index
     starts = bags.lengths.cumsum(0) - bags.lengths
-    if keep is not None:
-        index = torch.full_like(bags.ids, rows.shape[0])
-        index[keep] = route.index
-        rows = torch.cat([rows, rows.new_zeros((1, table.cols))])
-        return F.embedding_bag(index, rows, starts, mode="max", padding_idx=rows.shape[0] - 1)
-    return F.embedding_bag(index, rows, starts, mode="max")
+    pad = None
+    if opts.padding_idx is not None:
+        # Padding ids were fetched too (max_norm renorms their row, as the dense op does); skip them in the pool.
+        where = (route.send == opts.padding_idx).nonzero()
+        pad = int(where[0, 0]) if where.numel() else None
+    return F.embedding_bag(route.index, rows, starts, mode="max", padding_idx=pad)
 
 
-def _drop_padding(bags: Bags, padding_idx: Optional[int]) -> Bags:
-    """The bags without their padding entries (which neither add to a bag nor count for its mean)."""
-    if padding_idx is None:
-        return bags
-    keep = bags.ids != padding_idx
+def _drop_padding(bags: Bags, opts: Options) -> tuple[Bags, torch.Tensor]:
+    """The bags to route for a sum/mean, and how many ids of each bag a mean divides by.
+
+    Padding ids neither add to a bag nor count for its mean, so they stay
+    home, unless ``max_norm`` must renorm their row (the dense op renorms
+    every id of the input); then they travel and the owner skips them.
+    """
+    if opts.padding_idx is None:
+        return bags, bags.lengths
+    keep = bags.ids != opts.padding_idx
     if bool(keep.all()):
-        return bags
-    bag = bags.bag_of_each_id()
-    lengths = torch.bincount(bag[keep], minlength=bags.count)
-    return Bags(bags.ids[keep], lengths, None if bags.weights is None else bags.weights[keep])
+        return bags, bags.lengths
+    kept = torch.bincount(bags.bag_of_each_id()[keep], minlength=bags.count)
+    if opts.max_norm is not None:
+        return bags, kept
+    return Bags(bags.ids[keep], kept, None if bags.weights is None else bags.weights[keep]), kept

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 import shardwise.nn.functional as dist_f
 from shardwise import Group
-from shardwise_embedding._grad import scale_grad
+from shardwise_embedding._grad import pool_by_frequency, scale_grad
 from shardwise_embedding._inputs import Bags, Options, Table, zeros_in_graph
 
 __all__ = ["RowRoute", "bag_rowwise_pooled", "destinations", "distinct", "lookup_rowwise", "route_rows"]
@@ -84,15 +84,20 @@ class RowRoute:
             self.index = back[inverse]
 
 
+def _local_padding(opts: Options, offset: int, size: int) -> Optional[int]:
+    """``padding_idx`` within the shard of rows ``[offset, offset + size)``, or None if it lies elsewhere."""
+    if opts.padding_idx is not None and 0 <= opts.padding_idx - offset < size:
+        return opts.padding_idx - offset
+    return None
+
+
 def _lookup_local(table: Table, opts: Options, ids: torch.Tensor) -> torch.Tensor:
     """Rows of (global) ``ids``, all owned by this rank, from its local shard(s); autograd into the shards."""
     rows = None
     for offset, size, shard in table.local:
         local = ids - offset
         inside = (local >= 0) & (local < size)
-        pad = None
-        if opts.padding_idx is not None and 0 <= opts.padding_idx - offset < size:
-            pad = opts.padding_idx - offset
+        pad = _local_padding(opts, offset, size)
         if bool(inside.all()):
             return F.embedding(local, shard, pad, opts.max_norm, opts.norm_type)
         if rows is None:
@@ -130,14 +135,16 @@ def lookup_rowwise(
 
 
 def bag_rowwise_pooled(
-    group: Group, table: Table, opts: Options, bags: Bags, bag_counts: list[int], recv_counts: list[int],
+    group: Group, table: Table, opts: Options, bags: Bags, divisor: torch.Tensor, bag_counts: list[int],
+    recv_counts: list[int],
     send_counts: list[int], order: Optional[torch.Tensor],
 ) -> torch.Tensor:
     """``F.embedding_bag`` in sum/mean mode: owners pool partial bags, a reduce-scatter adds them up.
 
     Args:
-        bags: This rank's bags, padding entries already removed (so
-            ``bags.lengths`` counts what a mean divides by).
+        bags: This rank's bags to route (padding ids removed unless
+            ``max_norm`` must renorm their row; owners skip them).
+        divisor: Non-padding ids in each bag (what a mean divides by).
         bag_counts: Number of bags on every rank.
         recv_counts: Entries each rank sends here.
         send_counts: Entries this rank sends to each rank.
@@ -170,10 +177,14 @@ def bag_rowwise_pooled(
             chosen, w_in = global_bag, weights
         per_bag = torch.bincount(chosen, minlength=total_bags)
         starts = per_bag.cumsum(0) - per_bag
-        pooled = F.embedding_bag(
-            local, shard, starts, max_norm=opts.max_norm, norm_type=opts.norm_type,
-            scale_grad_by_freq=opts.scale_grad_by_freq, mode="sum", per_sample_weights=w_in,
-        )
+        pad = _local_padding(opts, offset, size)
+        if opts.scale_grad_by_freq:
+            pooled = pool_by_frequency(local, shard, chosen, total_bags, w_in, pad, opts.max_norm, opts.norm_type)
+        else:
+            pooled = F.embedding_bag(
+                local, shard, starts, max_norm=opts.max_norm, norm_type=opts.norm_type, mode="sum",
+                per_sample_weights=w_in, padding_idx=pad,
+            )
         partial = pooled if partial is None else partial + pooled
     if partial is None:
         partial = zeros_in_graph(table, total_bags)
@@ -183,5 +194,5 @@ def bag_rowwise_pooled(
     out = partial.new_empty((bag_counts[me], table.cols))
     summed = dist_f.reduce_scatter(out, list(partial.split(bag_counts)), group=group)
     if opts.mode == "mean":
-        summed = summed / bags.lengths.clamp(min=1).unsqueeze(1).to(summed.dtype)
+        summed = summed / divisor.clamp(min=1).unsqueeze(1).to(summed.dtype)
     return summed

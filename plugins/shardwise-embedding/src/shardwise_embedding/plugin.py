@@ -6,7 +6,7 @@ from typing import Any, Iterable
 
 import torch.nn.functional as F
 
-from shardwise import ChunkShardingSpec, ShardedOp, hookimpl
+from shardwise import ChunkShardingSpec, ShardedOp, ShardingSpec, hookimpl
 from shardwise.sharded_tensor import local_tensor_op
 
 
@@ -56,6 +56,14 @@ def shardwise_sharded_ops() -> Iterable[ShardedOp]:
         impl=_embedding_bag,
         description="row-wise (partial bags pooled by owners, reduce-scattered) or column-wise; sum/mean/max",
     )
+    # Any other spec gets an error that says what is supported, rather than "no implementation".
+    for op, impl in ((F.embedding, _embedding), (F.embedding_bag, _embedding_bag)):
+        yield ShardedOp(
+            op=op,
+            spec=ShardingSpec,
+            impl=impl,
+            description="other specs: NotImplementedError naming the supported ones (ChunkShardingSpec dim 0 or 1)",
+        )
     # Softmax over an embedding-sized tensor kept sharded (e.g. scores sharded over a
     # vocabulary dim): along any dim but the sharded one it runs on the local tensor.
     for op in (F.softmax, F.log_softmax):

@@ -2,7 +2,8 @@
 
 The primitives delegate to :mod:`shardwise_mpi._collectives` (shared with the
 torch.distributed backend); uneven sizes go straight to MPI's v-variants
-(Allgatherv, Reduce_scatter, Alltoallv, Gatherv, Scatterv) with no padding.
+(Allgatherv, Reduce_scatter, Gatherv, Scatterv; a pairwise Sendrecv
+exchange for all-to-all) with no padding.
 ``exchange`` is the base class's JSON over all-gather: no rank ever
 unpickles what a peer sent (mpi4py's lowercase object methods are not used).
 
