@@ -241,7 +241,7 @@ def bags_with_global_frequencies(
     """Every rank's bags (sum or mean) with ``scale_grad_by_freq`` over all of them, built on F.embedding.
 
     torch 2.13's CPU ``embedding_bag`` backward divides by the wrong count when
-    indices occur with different frequencies (pytorch/pytorch#190063: ids
+    indices occur with different frequencies (with torch 2.13.0+cpu, ids
     ``[1, 1, 3]`` give row 3 the gradient 0.5, not 1), so the reference looks
     the ids up with ``F.embedding(..., scale_grad_by_freq=True)``, whose
     scaling is right, and sums (or averages) the rows into bags itself,
