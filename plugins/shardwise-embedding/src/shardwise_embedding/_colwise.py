@@ -16,9 +16,10 @@ import torch
 import torch.nn.functional as F
 
 import shardwise.nn.functional as dist_f
-from shardwise import Group
+from shardwise import Group, _memory
 from shardwise_embedding._grad import pool_by_frequency, scale_grad
 from shardwise_embedding._inputs import Options, Table, zeros_in_graph
+from shardwise_embedding._take import place_columns, take_rows
 
 __all__ = ["assemble_columns", "bag_colwise", "gather_uneven", "lookup_colwise", "renorm_columns", "serve_columns"]
 
@@ -72,6 +73,10 @@ def serve_columns(table: Table, local_rows: list[torch.Tensor], counts: list[int
     Returns:
         The flat send buffer and the number of elements for each rank.
     """
+    if len(local_rows) == 1:
+        # Rank r's block is rows counts[r-1]..counts[r]: the blocks in rank order are the rows as they are.
+        rows = local_rows[0]
+        return rows.reshape(-1), [n * rows.shape[1] for n in counts]
     pieces, sizes = [], []
     splits = [rows.split(counts) for rows in local_rows]
     for r in range(len(counts)):
@@ -85,22 +90,19 @@ def serve_columns(table: Table, local_rows: list[torch.Tensor], counts: list[int
 
 def assemble_columns(group: Group, table: Table, flat: torch.Tensor, sent: list[int], rows: int) -> torch.Tensor:
     """Send every rank its blocks and lay the blocks this rank receives out as ``[rows, D]`` columns."""
-    me = group.rank
     owned: dict[int, list[tuple[int, int]]] = {}
     for offset, size, owner in table.shards:
         owned.setdefault(owner, []).append((offset, size))
     recv = [rows * sum(size for _, size in owned.get(r, [])) for r in range(group.size)]
-    del me
-    box = flat.new_empty(sum(recv))
+    box = _memory.empty((sum(recv),), flat.dtype)
     got = dist_f.all_to_all_single(box, flat, recv, sent, group=group)
-    placed: list[tuple[int, torch.Tensor]] = []
+    blocks = []
     cursor = 0
     for r in range(group.size):
         for offset, size in owned.get(r, []):
-            placed.append((offset, got[cursor : cursor + rows * size].view(rows, size)))
+            blocks.append((cursor, offset, size))
             cursor += rows * size
-    placed.sort(key=lambda item: item[0])
-    return torch.cat([block for _, block in placed], dim=1) if placed else flat.new_zeros((rows, table.cols))
+    return place_columns(got, blocks, rows, table.cols)
 
 
 def lookup_colwise(
@@ -123,7 +125,7 @@ def lookup_colwise(
         scale = 1.0 / total[where].to(table.weight.dtype)
     local_rows = []
     for _, _, shard in table.local:
-        rows = F.embedding(all_ids, shard, opts.padding_idx)
+        rows = take_rows(shard, all_ids, opts.padding_idx)
         local_rows.append(rows if scale is None else scale_grad(rows, scale))
     flat, sent = serve_columns(table, local_rows, counts)
     return assemble_columns(group, table, flat, sent, counts[group.rank])

@@ -20,6 +20,7 @@ from shardwise import Group
 from shardwise_embedding import _colwise, _rowwise
 from shardwise_embedding._agree import agree, agree_and_gather
 from shardwise_embedding._inputs import Bags, Options, bags_of, check_ids, options_of, table_of
+from shardwise_embedding._take import take_rows
 
 __all__ = ["sharded_embedding", "sharded_embedding_bag"]
 
@@ -91,7 +92,7 @@ def sharded_embedding(args: Any, kwargs: dict[str, Any], process_group: Any) -> 
         all_freq = torch.cat([piece[n:] for piece, n in zip(pieces, counts, strict=True)])
     with group.unverified():
         rows = _colwise.lookup_colwise(group, table, opts, all_ids, all_freq, counts)
-    return F.embedding(inverse.reshape(shape), rows)
+    return take_rows(rows, inverse).view(*shape, table.cols)
 
 
 def sharded_embedding_bag(args: Any, kwargs: dict[str, Any], process_group: Any) -> torch.Tensor:

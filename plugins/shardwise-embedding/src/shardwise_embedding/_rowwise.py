@@ -22,9 +22,10 @@ import torch
 import torch.nn.functional as F
 
 import shardwise.nn.functional as dist_f
-from shardwise import Group
+from shardwise import Group, _memory
 from shardwise_embedding._grad import pool_by_frequency, scale_grad
 from shardwise_embedding._inputs import Bags, Options, Table, zeros_in_graph
+from shardwise_embedding._take import take_rows
 
 __all__ = ["RowRoute", "bag_rowwise_pooled", "destinations", "distinct", "lookup_rowwise", "route_rows"]
 
@@ -99,12 +100,12 @@ def _lookup_local(table: Table, opts: Options, ids: torch.Tensor) -> torch.Tenso
         inside = (local >= 0) & (local < size)
         pad = _local_padding(opts, offset, size)
         if bool(inside.all()):
-            return F.embedding(local, shard, pad, opts.max_norm, opts.norm_type)
+            return take_rows(shard, local, pad, opts.max_norm, opts.norm_type)
         if rows is None:
             rows = zeros_in_graph(table, ids.numel())
         if bool(inside.any()):
             rows = rows.index_put((inside.nonzero().squeeze(1),),
-                                  F.embedding(local[inside], shard, pad, opts.max_norm, opts.norm_type))
+                                  take_rows(shard, local[inside], pad, opts.max_norm, opts.norm_type))
     return zeros_in_graph(table, ids.numel()) if rows is None else rows
 
 
@@ -121,7 +122,7 @@ def route_rows(group: Group, table: Table, opts: Options, route: RowRoute, recv_
         seen, where = torch.unique(ids, return_inverse=True)
         total = torch.zeros(seen.numel(), dtype=torch.int64).index_add_(0, where, freq)
         rows = scale_grad(rows, 1.0 / total[where].to(rows.dtype))
-    out = rows.new_empty((len(route.send), table.cols))
+    out = _memory.empty((len(route.send), table.cols), rows.dtype)
     return dist_f.all_to_all_single(out, rows, route.send_counts, recv_counts, group=group)
 
 
@@ -130,8 +131,7 @@ def lookup_rowwise(
 ) -> torch.Tensor:
     """``F.embedding`` of the ids ``route`` was built from, shaped ``shape + (D,)``."""
     rows = route_rows(group, table, opts, route, recv_counts)
-    # F.embedding, not rows[index]: its backward (a sorted segment sum) beats index_put's accumulate.
-    return F.embedding(route.index.reshape(shape), rows)
+    return take_rows(rows, route.index).view(*shape, table.cols)
 
 
 def bag_rowwise_pooled(

@@ -32,7 +32,7 @@ from torch import Tensor
 from torch.autograd import Function
 from torch.distributed import ReduceOp
 
-from shardwise import _wire
+from shardwise import _memory, _wire
 from shardwise._group import Group
 from shardwise._runtime import resolve_group
 
@@ -67,7 +67,7 @@ class _AllGather(Function):
     def backward(ctx: Any, *grads: Tensor) -> Grads:
         group: Group = ctx.group
         # Rank r's tensor fills slot r everywhere: it sums that slot's grads.
-        out = torch.empty_like(grads[group.rank])
+        out = _memory.empty_like(grads[group.rank])
         return None, _ReduceScatter.apply(group, [out], "sum", *grads)
 
 
@@ -101,7 +101,7 @@ class _AllToAll(Function):
     @staticmethod
     def backward(ctx: Any, *grads: Tensor) -> Grads:
         # Gradients retrace the data's route back to the senders.
-        back = [grads[0].new_empty(shape) for shape in ctx.in_shapes]
+        back = [_memory.empty_like(grads[0], shape) for shape in ctx.in_shapes]
         return (None, None, None, *_AllToAll.apply(ctx.group, back, ctx.rows[::-1], *grads))
 
 
@@ -113,7 +113,7 @@ class _AllToAllSingle(Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Grads:
-        back = grad.new_empty(ctx.in_shape)
+        back = _memory.empty_like(grad, ctx.in_shape)
         return None, None, None, _AllToAllSingle.apply(ctx.group, [back], ctx.rows[::-1], grad)
 
 
