@@ -19,6 +19,15 @@ Before timing, each case's outputs and local shard gradients are compared
 (untimed) with torch._shard's, and the outputs with the dense lookup, so the
 columns cannot silently compute different things.
 
+The last columns are a floor for any algorithm: the dense op (with its
+backward, for fwd+bwd) run on this rank's own shard over exactly the ids that
+shard must serve (row-wise: every rank's ids that fall in its rows, in their
+bags; column-wise: every rank's ids), with no communication at all. Both
+torch._shard and shardwise do at least this work (shardwise less only where
+it deduplicates ids), so ``torch._shard ms / floor ms`` bounds the speedup
+any implementation can reach; for embedding_bag's backward that floor is
+mostly writing the dense gradient of the local shard.
+
 Each cell is the median of the timed calls after warm-up ones, with a barrier
 before each call; the order of the implementations rotates between calls so
 that none always runs right after another's traffic. Every figure is the
@@ -96,6 +105,40 @@ def forward_backward(op: Callable[[torch.Tensor, Any], torch.Tensor], ids: torch
     return call
 
 
+def served(every: torch.Tensor, dim: int, rank: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ids this rank's shard serves (local row numbers for row-wise) and their bag offsets.
+
+    ``every`` is all ranks' ids, ``[size * BATCH, BAG]``; bags keep their
+    structure (a bag holds the ids of one original bag that the shard serves).
+    """
+    if dim == 1:
+        flat = every.reshape(-1)
+        return flat, torch.arange(0, flat.numel(), BAG)
+    rows = -(-V // size)
+    first = rank * rows
+    mine = (every >= first) & (every < first + rows)
+    per_bag = mine.sum(1)
+    return every[mine] - first, per_bag.cumsum(0) - per_bag
+
+
+def floor_call(
+    op_name: str, mode: str, shard: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor
+) -> Callable[[], Any]:
+    """The local dense op on the served ids (see the module docstring), forward or forward + backward."""
+    w = shard.detach().clone().requires_grad_(True)
+
+    def call() -> None:
+        if op_name == "embedding":
+            out = F.embedding(ids, w)
+        else:
+            out = F.embedding_bag(ids, w, offsets, mode="sum")
+        if mode == "fwd+bwd":
+            out.sum().backward()
+            w.grad = None
+
+    return call
+
+
 def check(
     comm: Any,
     name: str,
@@ -148,9 +191,12 @@ def main() -> int:
     groups = {"gloo": gloo, "mpi": mpi_group}
     dense = torch.randn(V, D, generator=torch.Generator().manual_seed(0))
     ids = torch.randint(0, V, (BATCH, BAG), generator=torch.Generator().manual_seed(1000 + rank))
+    every = torch.cat([torch.randint(0, V, (BATCH, BAG), generator=torch.Generator().manual_seed(1000 + r))
+                       for r in range(size)])
     rows = []
     for dim, sharding in DIMS.items():
         weights = make_weights(dense, dim, size, groups)
+        served_ids, served_offsets = served(every, dim, rank, size)
         for op_name, op in OPS.items():
             for grp in groups.values():
                 grp.verify = True
@@ -160,6 +206,7 @@ def main() -> int:
                 for label, grp in groups.items():
                     calls[label] = with_verify(grp, True, make(op, ids, weights[label]))
                     calls[label + "-noverify"] = with_verify(grp, False, make(op, ids, weights[label]))
+                calls["floor"] = floor_call(op_name, mode, local_shard(weights["torch"]), served_ids, served_offsets)
                 rows.append((op_name, sharding, mode, time_all(comm, calls, REPEATS, WARMUP)))
         del weights
     if rank == 0:
@@ -180,16 +227,19 @@ def table(rows: list[tuple[str, str, str, dict[str, float]]], size: int) -> str:
         f"{BATCH} bags of {BAG} ids (embedding_bag, 2-D input, mode sum); median of {REPEATS} calls after "
         f"{WARMUP} warm-up, slowest rank's median; {library_line()}.",
         "Speedup = torch._shard ms / shardwise ms (> 1: shardwise is faster). `no verify` = `group.verify = False` "
-        "(the default is True: a cross-rank handshake per collective). fwd+bwd = forward + backward of out.sum().",
+        "(the default is True: a cross-rank handshake per collective). fwd+bwd = forward + backward of out.sum(). "
+        "Floor = the dense op on the rank's own shard over the ids it serves, no communication (see "
+        "benchmarks/embedding.py); torch._shard / floor bounds any implementation's speedup.",
         "",
         "| op | sharding | pass | torch._shard gloo ms | shardwise gloo ms | speedup | gloo no verify ms | speedup "
-        "| shardwise mpi ms | speedup | mpi no verify ms | speedup |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| shardwise mpi ms | speedup | mpi no verify ms | speedup | floor ms | torch._shard / floor |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for op_name, sharding, mode, t in rows:
         cells = [f"{t['torch'] * 1e3:.1f}"]
         for col in SHARDWISE:
             cells += [f"{t[col] * 1e3:.1f}", f"{t['torch'] / t[col]:.2f}"]
+        cells += [f"{t['floor'] * 1e3:.1f}", f"{t['torch'] / t['floor']:.2f}"]
         lines.append(f"| {op_name} | {sharding} | {mode} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -112,8 +112,8 @@ def sharded_embedding_bag(args: Any, kwargs: dict[str, Any], process_group: Any)
                        opts.mode)
         if pooled:
             bags, divisor = _drop_padding(bags, opts)
-            order, send_counts = _rowwise.destinations(table, bags.ids, group.size)
-            sizes = [*send_counts, bags.count]
+            bag_route = _rowwise.BagRoute(table, bags, group.size)
+            sizes = [*bag_route.send_counts, bags.count]
         elif table.dim == 0:
             route = _rowwise.RowRoute(table, bags.ids, group.size)
             sizes = [*route.send_counts, bags.count]
@@ -134,7 +134,7 @@ def sharded_embedding_bag(args: Any, kwargs: dict[str, Any], process_group: Any)
     bag_counts = [row[-1] for row in everyone]
     with group.unverified():
         if pooled:
-            return _rowwise.bag_rowwise_pooled(group, table, opts, bags, divisor, bag_counts, recv, send_counts, order)
+            return _rowwise.bag_rowwise_pooled(group, table, opts, bags, divisor, bag_counts, recv, bag_route)
         # max mode: fetch each distinct row once, then pool locally with the dense op (its tie-breaking included).
         rows = _rowwise.route_rows(group, table, opts, route, recv)
     starts = bags.lengths.cumsum(0) - bags.lengths

@@ -27,24 +27,39 @@ from shardwise_embedding._grad import pool_by_frequency, scale_grad
 from shardwise_embedding._inputs import Bags, Options, Table, zeros_in_graph
 from shardwise_embedding._take import take_rows
 
-__all__ = ["RowRoute", "bag_rowwise_pooled", "destinations", "distinct", "lookup_rowwise", "route_rows"]
+__all__ = ["BagRoute", "RowRoute", "bag_rowwise_pooled", "destinations", "distinct", "lookup_rowwise", "route_rows"]
 
 
-def destinations(table: Table, ids: torch.Tensor, world: int) -> tuple[Optional[torch.Tensor], list[int]]:
+def _owner_of_each(table: Table, ids: torch.Tensor) -> torch.Tensor:
+    """The rank owning the row of each id."""
+    filled = [s for s in table.shards if s[1] > 0]
+    chunk = filled[0][1] if filled else 0
+    owners = torch.tensor([s[2] for s in filled] or [0], dtype=torch.int64)
+    if chunk and all(offset == i * chunk for i, (offset, _, _) in enumerate(filled)):
+        # ChunkShardingSpec's usual layout (equal chunks, the last one shorter): a division finds the chunk.
+        return owners[torch.div(ids, chunk, rounding_mode="floor")]
+    starts = torch.tensor([s[0] for s in filled] or [0], dtype=torch.int64)
+    return owners[torch.searchsorted(starts, ids, right=True) - 1]
+
+
+def destinations(table: Table, ids: torch.Tensor, world: int) -> tuple[Optional[torch.Tensor], list[int], torch.Tensor]:
     """How to group ``ids`` by the rank owning their row, and how many go to each rank.
 
     Returns:
         A stable permutation that groups the ids by destination rank (None
-        when they already are), and the number of ids for each rank.
+        when they already are), the number of ids for each rank, and the
+        destination rank of each id (in the original order).
     """
-    starts = torch.tensor([s[0] for s in table.shards], dtype=torch.int64)
-    owners = torch.tensor([s[2] for s in table.shards], dtype=torch.int64)
-    # An empty shard shares its offset with the next one; searchsorted(right) picks the last, non-empty one.
-    dest = owners[torch.searchsorted(starts, ids, right=True) - 1]
+    dest = _owner_of_each(table, ids)
     counts = torch.bincount(dest, minlength=world).tolist()
     if dest.numel() < 2 or bool((dest[1:] >= dest[:-1]).all()):
-        return None, counts  # sorted ids and placements in rank order: nothing to permute
-    return torch.argsort(dest, stable=True), counts
+        return None, counts, dest  # sorted ids and placements in rank order: nothing to permute
+    if world <= 8:
+        # A few passes of a mask beat a general (radix) sort of the whole batch.
+        order = torch.cat([(dest == r).nonzero().squeeze(1) for r in range(world) if counts[r]])
+    else:
+        order = torch.argsort(dest, stable=True)
+    return order, counts, dest
 
 
 def distinct(ids: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -75,7 +90,7 @@ class RowRoute:
 
     def __init__(self, table: Table, ids: torch.Tensor, world: int) -> None:
         uniq, inverse, counts = distinct(ids, table.rows)
-        order, self.send_counts = destinations(table, uniq, world)
+        order, self.send_counts, _ = destinations(table, uniq, world)
         if order is None:
             self.send, self.freq, self.index = uniq, counts, inverse
         else:
@@ -134,55 +149,82 @@ def lookup_rowwise(
     return take_rows(rows, route.index).view(*shape, table.cols)
 
 
+class BagRoute:
+    """Where each id of this rank's bags goes, for pooled (sum/mean) bags.
+
+    Attributes:
+        order: Permutation grouping the ids by destination rank (stable, so
+            each rank's ids stay in bag order), or None when they already are.
+        send_counts: Ids sent to each rank.
+        lengths: ``[world, bags]``: how many ids of each bag go to each rank.
+    """
+
+    def __init__(self, table: Table, bags: Bags, world: int) -> None:
+        self.order, self.send_counts, dest = destinations(table, bags.ids, world)
+        slot = dest * bags.count + bags.bag_of_each_id()
+        self.lengths = torch.bincount(slot, minlength=world * bags.count).view(world, bags.count)
+
+
 def bag_rowwise_pooled(
     group: Group, table: Table, opts: Options, bags: Bags, divisor: torch.Tensor, bag_counts: list[int],
-    recv_counts: list[int],
-    send_counts: list[int], order: Optional[torch.Tensor],
+    recv_counts: list[int], route: BagRoute,
 ) -> torch.Tensor:
     """``F.embedding_bag`` in sum/mean mode: owners pool partial bags, a reduce-scatter adds them up.
+
+    Each rank sends every owner the lengths of its bags counted over that
+    owner's ids, then those ids (in bag order); the owner lays the ranks'
+    bags end to end, which numbers them globally (rank r's bags after those
+    of ranks < r) with no per-id bag numbers on the wire.
 
     Args:
         bags: This rank's bags to route (padding ids removed unless
             ``max_norm`` must renorm their row; owners skip them).
         divisor: Non-padding ids in each bag (what a mean divides by).
         bag_counts: Number of bags on every rank.
-        recv_counts: Entries each rank sends here.
-        send_counts: Entries this rank sends to each rank.
-        order: Permutation of ``bags.ids`` into destination-rank order (None: already).
+        recv_counts: Ids each rank sends here.
+        route: Where this rank's ids go.
     """
-    me = group.rank
-    bag = bags.bag_of_each_id()
-    payload = torch.stack([bags.ids, bag], dim=1)
-    if order is not None:
-        payload = payload[order]
-    received = group.all_to_all_single(payload, recv_counts, send_counts)
+    me, world = group.rank, group.size
+    ids = bags.ids if route.order is None else bags.ids.index_select(0, route.order)
+    pieces, cursor = [], 0
+    for r in range(world):
+        pieces += [route.lengths[r], ids[cursor : cursor + route.send_counts[r]]]
+        cursor += route.send_counts[r]
+    send = [bags.count + n for n in route.send_counts]
+    recv = [bag_counts[r] + recv_counts[r] for r in range(world)]
+    parts = group.all_to_all_single(torch.cat(pieces), recv, send).split(recv)
+    lengths = torch.cat([part[: bag_counts[r]] for r, part in enumerate(parts)])
+    got = torch.cat([part[bag_counts[r] :] for r, part in enumerate(parts)])
     weights: Optional[torch.Tensor] = None
     if bags.weights is not None:
-        w = bags.weights if order is None else bags.weights[order]
+        w = bags.weights if route.order is None else bags.weights[route.order]
         box = w.new_empty(sum(recv_counts))
-        weights = dist_f.all_to_all_single(box, w, recv_counts, send_counts, group=group)
-    # Bag numbers become global (rank r's bags follow those of ranks < r); entries stay in bag order.
-    base = torch.tensor([0, *bag_counts[:-1]], dtype=torch.int64).cumsum(0)
-    source = torch.repeat_interleave(torch.arange(group.size), torch.tensor(recv_counts, dtype=torch.int64))
-    ids, global_bag = received[:, 0], received[:, 1] + base[source]
+        weights = dist_f.all_to_all_single(box, w, recv_counts, route.send_counts, group=group)
     total_bags = sum(bag_counts)
+    starts = lengths.cumsum(0) - lengths
     partial: Optional[torch.Tensor] = None
+    global_bag: Optional[torch.Tensor] = None
     for offset, size, shard in table.local:
-        local = ids - offset
-        inside = (local >= 0) & (local < size)
-        if not bool(inside.all()):
-            local, chosen = local[inside], global_bag[inside]
-            w_in = None if weights is None else weights[inside]
-        else:
-            chosen, w_in = global_bag, weights
-        per_bag = torch.bincount(chosen, minlength=total_bags)
-        starts = per_bag.cumsum(0) - per_bag
         pad = _local_padding(opts, offset, size)
+        local, w_in, kept_starts = got - offset, weights, starts
+        chosen: Optional[torch.Tensor] = None
+        if len(table.local) > 1 or opts.scale_grad_by_freq:
+            # Per-id bag numbers: to keep this shard's ids only, or to pool by frequency.
+            if global_bag is None:
+                global_bag = torch.repeat_interleave(torch.arange(total_bags), lengths)
+            chosen = global_bag
+            inside = (local >= 0) & (local < size)
+            if not bool(inside.all()):
+                local, chosen = local[inside], global_bag[inside]
+                w_in = None if weights is None else weights[inside]
+                per_bag = torch.bincount(chosen, minlength=total_bags)
+                kept_starts = per_bag.cumsum(0) - per_bag
         if opts.scale_grad_by_freq:
+            assert chosen is not None
             pooled = pool_by_frequency(local, shard, chosen, total_bags, w_in, pad, opts.max_norm, opts.norm_type)
         else:
             pooled = F.embedding_bag(
-                local, shard, starts, max_norm=opts.max_norm, norm_type=opts.norm_type, mode="sum",
+                local, shard, kept_starts, max_norm=opts.max_norm, norm_type=opts.norm_type, mode="sum",
                 per_sample_weights=w_in, padding_idx=pad,
             )
         partial = pooled if partial is None else partial + pooled
