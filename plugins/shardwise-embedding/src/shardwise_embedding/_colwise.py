@@ -19,7 +19,7 @@ import shardwise.nn.functional as dist_f
 from shardwise import Group, _memory
 from shardwise_embedding._grad import pool_by_frequency, scale_grad
 from shardwise_embedding._inputs import Options, Table, zeros_in_graph
-from shardwise_embedding._take import place_columns, take_rows
+from shardwise_embedding._take import place_columns, pool_rows, take_rows
 
 __all__ = ["assemble_columns", "bag_colwise", "gather_uneven", "lookup_colwise", "renorm_columns", "serve_columns"]
 
@@ -150,24 +150,27 @@ def bag_colwise(
             all_weights = torch.cat(gather_uneven(group, weights, [n for n, _ in sizes]))
     if opts.max_norm is not None:
         renorm_columns(group, table, opts, all_ids)
-    starts = all_lengths.cumsum(0) - all_lengths
     bag_counts = [b for _, b in sizes]
+    nbags = all_lengths.numel()
+    divisor: Optional[torch.Tensor] = None
+    if opts.mode == "mean":
+        divisor = all_lengths
+        if opts.padding_idx is not None:
+            bag = torch.repeat_interleave(torch.arange(nbags), all_lengths)
+            divisor = torch.bincount(bag[all_ids != opts.padding_idx], minlength=nbags)
+        divisor = divisor.clamp(min=1).unsqueeze(1)
     local_rows = []
     for _, _, shard in table.local:
-        if opts.scale_grad_by_freq:  # sum or mean (max refuses the option)
-            bag = torch.repeat_interleave(torch.arange(all_lengths.numel()), all_lengths)
-            pooled = pool_by_frequency(
-                all_ids, shard, bag, all_lengths.numel(), all_weights, opts.padding_idx, None, opts.norm_type
-            )
-            if opts.mode == "mean":
-                kept = all_lengths if opts.padding_idx is None else torch.bincount(
-                    bag[all_ids != opts.padding_idx], minlength=all_lengths.numel()
-                )
-                pooled = pooled / kept.clamp(min=1).unsqueeze(1).to(pooled.dtype)
+        if opts.mode == "max":
+            starts = all_lengths.cumsum(0) - all_lengths
+            pooled = F.embedding_bag(all_ids, shard, starts, mode="max", padding_idx=opts.padding_idx)
+        elif opts.scale_grad_by_freq:
+            bag = torch.repeat_interleave(torch.arange(nbags), all_lengths)
+            pooled = pool_by_frequency(all_ids, shard, bag, nbags, all_weights, opts.padding_idx, None, opts.norm_type)
         else:
-            pooled = F.embedding_bag(
-                all_ids, shard, starts, mode=opts.mode, per_sample_weights=all_weights, padding_idx=opts.padding_idx
-            )
+            pooled = pool_rows(shard, all_ids, all_lengths, all_weights, opts.padding_idx)
+        if divisor is not None:
+            pooled = pooled / divisor.to(pooled.dtype)
         local_rows.append(pooled)
     flat, sent = serve_columns(table, local_rows, bag_counts)
     if all_weights is not None and all_weights.requires_grad and not table.local:

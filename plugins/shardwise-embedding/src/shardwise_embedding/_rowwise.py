@@ -19,13 +19,12 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 import shardwise.nn.functional as dist_f
 from shardwise import Group, _memory
 from shardwise_embedding._grad import pool_by_frequency, scale_grad
 from shardwise_embedding._inputs import Bags, Options, Table, zeros_in_graph
-from shardwise_embedding._take import take_rows
+from shardwise_embedding._take import pool_rows, take_rows
 
 __all__ = ["BagRoute", "RowRoute", "bag_rowwise_pooled", "destinations", "distinct", "lookup_rowwise", "route_rows"]
 
@@ -201,12 +200,11 @@ def bag_rowwise_pooled(
         box = w.new_empty(sum(recv_counts))
         weights = dist_f.all_to_all_single(box, w, recv_counts, route.send_counts, group=group)
     total_bags = sum(bag_counts)
-    starts = lengths.cumsum(0) - lengths
     partial: Optional[torch.Tensor] = None
     global_bag: Optional[torch.Tensor] = None
     for offset, size, shard in table.local:
         pad = _local_padding(opts, offset, size)
-        local, w_in, kept_starts = got - offset, weights, starts
+        local, w_in, kept_lengths = got - offset, weights, lengths
         chosen: Optional[torch.Tensor] = None
         if len(table.local) > 1 or opts.scale_grad_by_freq:
             # Per-id bag numbers: to keep this shard's ids only, or to pool by frequency.
@@ -217,16 +215,12 @@ def bag_rowwise_pooled(
             if not bool(inside.all()):
                 local, chosen = local[inside], global_bag[inside]
                 w_in = None if weights is None else weights[inside]
-                per_bag = torch.bincount(chosen, minlength=total_bags)
-                kept_starts = per_bag.cumsum(0) - per_bag
+                kept_lengths = torch.bincount(chosen, minlength=total_bags)
         if opts.scale_grad_by_freq:
             assert chosen is not None
             pooled = pool_by_frequency(local, shard, chosen, total_bags, w_in, pad, opts.max_norm, opts.norm_type)
         else:
-            pooled = F.embedding_bag(
-                local, shard, kept_starts, max_norm=opts.max_norm, norm_type=opts.norm_type, mode="sum",
-                per_sample_weights=w_in, padding_idx=pad,
-            )
+            pooled = pool_rows(shard, local, kept_lengths, w_in, pad, opts.max_norm, opts.norm_type)
         partial = pooled if partial is None else partial + pooled
     if partial is None:
         partial = zeros_in_graph(table, total_bags)

@@ -18,7 +18,7 @@ from torch.autograd import Function
 
 from shardwise import _memory
 
-__all__ = ["place_columns", "take_rows"]
+__all__ = ["place_columns", "pool_rows", "take_rows"]
 
 
 class _TakeRows(Function):
@@ -63,6 +63,76 @@ def take_rows(
         out = _memory.empty((index.numel(), table.shape[1]), table.dtype, table.device)
         return torch.index_select(table, 0, index, out=out)
     result: torch.Tensor = _TakeRows.apply(table, index, padding_idx)
+    return result
+
+
+#: Bytes of gradient rows a bag backward gathers at a time: a 2 MiB scratch stays in
+#: cache; with 4096 rows of 128 float32 this ran ~40% faster than torch's own backward
+#: (2 ranks on 2 cores; 8 MiB chunks were much slower, 256 KiB ones slightly).
+_CHUNK_BYTES = 2 << 20
+
+
+class _PoolRows(Function):
+    @staticmethod
+    def forward(
+        ctx: Any, table: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor,
+        weights: Optional[torch.Tensor], padding_idx: Optional[int],
+    ) -> torch.Tensor:
+        ctx.save_for_backward(ids, lengths, weights)
+        ctx.rows, ctx.padding_idx = table.shape[0], padding_idx
+        return torch.nn.functional.embedding_bag(
+            ids, table, lengths.cumsum(0) - lengths, mode="sum", per_sample_weights=weights, padding_idx=padding_idx
+        )
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], None, None, None, None]:
+        ids, lengths, weights = ctx.saved_tensors
+        bag = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+        if ctx.padding_idx is not None:
+            keep = ids != ctx.padding_idx
+            ids, bag = ids[keep], bag[keep]
+            weights = None if weights is None else weights[keep]
+        grad = grad.contiguous()
+        table_grad = _memory.zeros((ctx.rows, grad.shape[1]), grad.dtype, grad.device)
+        chunk = max(256, _CHUNK_BYTES // max(1, grad.shape[1] * grad.element_size()))
+        scratch = grad.new_empty((min(chunk, ids.numel()), grad.shape[1]))
+        for first in range(0, ids.numel(), chunk):
+            picked = bag[first : first + chunk]
+            rows = torch.index_select(grad, 0, picked, out=scratch[: picked.numel()])
+            if weights is not None:
+                rows.mul_(weights[first : first + chunk].unsqueeze(1))
+            table_grad.index_add_(0, ids[first : first + chunk], rows)
+        return table_grad, None, None, None, None
+
+
+def pool_rows(
+    table: torch.Tensor,
+    ids: torch.Tensor,
+    lengths: torch.Tensor,
+    weights: Optional[torch.Tensor] = None,
+    padding_idx: Optional[int] = None,
+    max_norm: Optional[float] = None,
+    norm_type: float = 2.0,
+) -> torch.Tensor:
+    """``F.embedding_bag(ids, table, offsets, mode="sum", ...)`` with bags given by their ``lengths``.
+
+    The table's gradient is built in a huge-page buffer by gathering the
+    bags' gradient rows a few thousand ids at a time and adding them with
+    ``index_add_``. With ``per_sample_weights`` that require grad, or a
+    table that does not, the dense op runs as it is.
+
+    Returns:
+        ``[lengths.numel(), table.shape[1]]`` sums; padding entries add nothing.
+    """
+    if max_norm is not None:
+        # As the dense op: every id of the input (padding included) is renormed in place first.
+        with torch.no_grad():
+            torch.embedding_renorm_(table.detach(), ids.contiguous(), max_norm, norm_type)
+    if not (table.requires_grad and torch.is_grad_enabled()) or (weights is not None and weights.requires_grad):
+        return torch.nn.functional.embedding_bag(
+            ids, table, lengths.cumsum(0) - lengths, mode="sum", per_sample_weights=weights, padding_idx=padding_idx
+        )
+    result: torch.Tensor = _PoolRows.apply(table, ids, lengths, weights, padding_idx)
     return result
 
 
