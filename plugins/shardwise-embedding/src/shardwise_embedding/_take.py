@@ -1,12 +1,14 @@
-"""Row gathers whose results and gradients live on huge pages.
+"""Row gathers and bag sums whose results and gradients live on huge pages.
 
-``F.embedding`` computes the same thing, but its result and its weight
-gradient come fresh from torch's allocator, which faults them in 4 KiB at
-a time; for tables and batches of tens of MiB that costs several times
-the copy itself (see ``shardwise._memory``). These functions write into
-``shardwise._memory`` buffers instead and, in backward, add the rows'
-gradients into a zero-filled one with ``index_add_`` (cheaper here than
-``embedding_dense_backward``'s sort).
+``F.embedding`` and ``F.embedding_bag`` compute the same things, but their
+results and weight gradients come fresh from torch's allocator, which
+faults them in 4 KiB at a time; for tables and batches of tens of MiB that
+costs several times the arithmetic (see ``shardwise._memory``). These
+functions write into ``shardwise._memory`` buffers instead. A row gather's
+backward adds the rows' gradients into a zero-filled buffer with
+``index_add_`` (cheaper here than ``embedding_dense_backward``'s sort); a
+bag sum's backward is itself a bag sum over the gradient (see
+:func:`_bag_table_grad`), run in cache-sized pieces.
 """
 
 from __future__ import annotations
@@ -66,10 +68,40 @@ def take_rows(
     return result
 
 
-#: Bytes of gradient rows a bag backward gathers at a time: a 2 MiB scratch stays in
-#: cache; with 4096 rows of 128 float32 this ran ~40% faster than torch's own backward
-#: (2 ranks on 2 cores; 8 MiB chunks were much slower, 256 KiB ones slightly).
+#: Rows of the table gradient a bag backward writes per pooling call: outputs of
+#: ~2 MiB come from the heap (no page faults) and stay in cache before they are
+#: copied into the huge-page gradient. Measured with 2 ranks on 2 cores, this ran
+#: in about half the time of torch's own embedding_bag backward, and ~25% faster
+#: than gathering the bags' gradient rows and adding them with index_add_.
 _CHUNK_BYTES = 2 << 20
+
+
+def _bag_table_grad(
+    grad: torch.Tensor, ids: torch.Tensor, bag: torch.Tensor, weights: Optional[torch.Tensor], rows: int
+) -> torch.Tensor:
+    """``table_grad[v] = sum of weights[e] * grad[bag[e]] over the entries e with ids[e] == v``.
+
+    The transpose of the forward pooling is itself a pooling: entries sorted
+    by id, each table row is a "bag" of the gradient rows of the bags its id
+    occurs in, so the dense op's fast forward kernel computes it.
+    """
+    cols = grad.shape[1]
+    table_grad = _memory.empty((rows, cols), grad.dtype, grad.device)
+    order_ids, order = torch.sort(ids)
+    source = bag.index_select(0, order)
+    scale = None if weights is None else weights.index_select(0, order)
+    per_row = torch.bincount(order_ids, minlength=rows)
+    ends = per_row.cumsum(0)
+    step = max(256, _CHUNK_BYTES // max(1, cols * grad.element_size()))
+    for first in range(0, rows, step):
+        last = min(first + step, rows)
+        lo = int(ends[first - 1]) if first else 0
+        hi = int(ends[last - 1])
+        starts = ends[first:last] - per_row[first:last] - lo
+        table_grad[first:last] = torch.nn.functional.embedding_bag(
+            source[lo:hi], grad, starts, mode="sum", per_sample_weights=None if scale is None else scale[lo:hi]
+        )
+    return table_grad
 
 
 class _PoolRows(Function):
@@ -92,17 +124,7 @@ class _PoolRows(Function):
             keep = ids != ctx.padding_idx
             ids, bag = ids[keep], bag[keep]
             weights = None if weights is None else weights[keep]
-        grad = grad.contiguous()
-        table_grad = _memory.zeros((ctx.rows, grad.shape[1]), grad.dtype, grad.device)
-        chunk = max(256, _CHUNK_BYTES // max(1, grad.shape[1] * grad.element_size()))
-        scratch = grad.new_empty((min(chunk, ids.numel()), grad.shape[1]))
-        for first in range(0, ids.numel(), chunk):
-            picked = bag[first : first + chunk]
-            rows = torch.index_select(grad, 0, picked, out=scratch[: picked.numel()])
-            if weights is not None:
-                rows.mul_(weights[first : first + chunk].unsqueeze(1))
-            table_grad.index_add_(0, ids[first : first + chunk], rows)
-        return table_grad, None, None, None, None
+        return _bag_table_grad(grad.contiguous(), ids, bag, weights, ctx.rows), None, None, None, None
 
 
 def pool_rows(
