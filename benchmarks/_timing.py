@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import statistics
 import sys
 import time
@@ -20,8 +21,12 @@ def mpi() -> Any:
 def time_all(comm: Any, calls: dict[str, Callable[[], Any]], repeats: int, warmup: int) -> dict[str, float]:
     """Median seconds per call of each entry, the slowest rank's.
 
-    Calls are interleaved, rotating the order every round, so drift and
-    noise from other work hit every entry alike; a barrier precedes each.
+    Calls are interleaved in a new order every round (shuffled with the
+    round number as seed, so every rank agrees), so drift, noise from other
+    work and the after-effects of one entry on the next (freed memory,
+    a shared process group's state) hit every entry alike: a fixed rotation
+    made the entry listed after another follow it in most rounds. A barrier
+    precedes each call.
     """
     for fn in calls.values():
         for _ in range(warmup):
@@ -30,7 +35,9 @@ def time_all(comm: Any, calls: dict[str, Callable[[], Any]], repeats: int, warmu
     times: dict[str, list[float]] = {name: [] for name in calls}
     names = list(calls)
     for i in range(repeats):
-        for name in names[i % len(names) :] + names[: i % len(names)]:
+        order = list(names)
+        random.Random(i).shuffle(order)
+        for name in order:
             comm.Barrier()
             start = time.perf_counter()
             calls[name]()

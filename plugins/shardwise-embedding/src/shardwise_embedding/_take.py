@@ -87,7 +87,8 @@ def _bag_table_grad(
     """
     cols = grad.shape[1]
     table_grad = _memory.empty((rows, cols), grad.dtype, grad.device)
-    order_ids, order = torch.sort(ids)
+    # Row numbers of a shard fit int32, which sorts ~1.5x faster than int64.
+    order_ids, order = torch.sort(ids.to(torch.int32) if rows < 2**31 else ids)
     source = bag.index_select(0, order)
     scale = None if weights is None else weights.index_select(0, order)
     per_row = torch.bincount(order_ids, minlength=rows)
