@@ -429,6 +429,25 @@ class ShardedTensor(torch.Tensor):
             f"spec={self._sharding_spec!r}, local_shards={len(self._local_shards)})"
         )
 
+    # -- torch.distributed.checkpoint (see _checkpoint) ---------------------
+    def __create_write_items__(self, fqn: str, object: Any) -> list[Any]:
+        """DCP: what this rank saves for key ``fqn``: one item per non-empty local shard."""
+        from shardwise.sharded_tensor._checkpoint import write_items
+
+        return write_items(self, fqn)
+
+    def __create_chunk_list__(self) -> list[Any]:
+        """DCP: the chunks of the global tensor this rank holds (a load reads what overlaps them)."""
+        from shardwise.sharded_tensor._checkpoint import chunk_list
+
+        return chunk_list(self)
+
+    def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
+        """DCP: the local shard tensor at ``index.offset`` (the storage itself: loads ``copy_`` into it)."""
+        from shardwise.sharded_tensor._checkpoint import tensor_shard
+
+        return tensor_shard(self, index)
+
     def __getstate__(self) -> Any:
         from shardwise._load_context import sharded_tensor_state
 

@@ -1,0 +1,178 @@
+"""``shardwise.checkpoint``: DCP-format checkpoints over any Group, saved atomically, errors on every rank."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import BytesIOWriteData, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+
+import shardwise
+import shardwise.checkpoint as ckpt
+from shardwise import _dcp_codec as codec
+from shardwise.sharding_spec import ChunkShardingSpec
+
+from rank_helpers import outcome
+from rank_helpers import run as _run
+from rank_helpers import sharded_from_dense as _sharded
+
+WEIGHT = torch.arange(9 * 4, dtype=torch.float32).reshape(9, 4) / 3
+
+
+def _state(w: int, spec_dim: int, scale: float = 1.0, empty: bool = False) -> dict[str, Any]:
+    places = [f"rank:{r}/cpu" for r in range(w)]
+    weight = torch.zeros_like(WEIGHT) if empty else WEIGHT * scale
+    return {
+        "model": {"weight": _sharded(weight, ChunkShardingSpec(spec_dim, places)),
+                  "bias": torch.zeros(4) if empty else torch.full((4,), scale)},
+        "step": 0 if empty else int(10 * scale),
+        "note": "" if empty else f"scale {scale}",
+    }
+
+
+def _matches(state: dict[str, Any], scale: float) -> bool:
+    return (
+        torch.equal(state["model"]["weight"].full_tensor(), WEIGHT * scale)
+        and torch.equal(state["model"]["bias"], torch.full((4,), scale))
+        and state["step"] == int(10 * scale)
+        and state["note"] == f"scale {scale}"
+    )
+
+
+def save_rank(path: str, scale: float) -> list[str]:
+    ckpt.save(_state(shardwise.get_default_group().size, 0, scale), path)
+    return sorted(os.listdir(Path(path).parent))
+
+
+def load_rank(path: str, scale: float) -> bool:
+    state = _state(shardwise.get_default_group().size, 1, empty=True)
+    ckpt.load(state, path)
+    return _matches(state, scale)
+
+
+@pytest.mark.parametrize(("save_world", "load_world"), [(2, 3), (3, 2)])
+def test_save_on_n_ranks_load_on_m_into_another_spec(tmp_path: Path, save_world: int, load_world: int) -> None:
+    path = str(tmp_path / "ckpt")
+    assert _run(save_rank, save_world, path, 1.0) == [["ckpt"]] * save_world  # no staging directory left
+    assert _run(load_rank, load_world, path, 1.0) == [True] * load_world
+
+
+def test_a_new_save_replaces_the_old_one(tmp_path: Path) -> None:
+    path = str(tmp_path / "ckpt")
+    _run(save_rank, 2, path, 1.0)
+    assert _run(save_rank, 2, path, 2.0) == [["ckpt"], ["ckpt"]]
+    assert _run(load_rank, 2, path, 2.0) == [True, True]
+
+
+def failing_save_rank(path: str) -> tuple[str, str]:
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    group = shardwise.get_default_group()
+    if group.rank == 1:
+        def broken(self: Any, plan: Any, planner: Any) -> Any:
+            raise OSError("disk full (simulated)")
+
+        FileSystemWriter.write_data = broken  # type: ignore[method-assign]
+    return outcome(lambda: ckpt.save(_state(group.size, 0, 5.0), path))
+
+
+def test_a_failed_save_raises_everywhere_and_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
+    path = str(tmp_path / "ckpt")
+    _run(save_rank, 2, path, 1.0)
+    (kind0, msg0), (kind1, msg1) = _run(failing_save_rank, 2, path)
+    assert (kind1, msg1) == ("OSError", "disk full (simulated)")
+    assert kind0 == "PeerError" and "rank 1" in msg0 and "disk full" in msg0 and "writing" in msg0
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # the staging directory was removed
+    assert _run(load_rank, 2, path, 1.0) == [True, True]
+
+
+def killed_save_rank(path: str) -> None:
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    real = FileSystemWriter.write_data
+
+    def write_then_die(self: Any, plan: Any, planner: Any) -> Any:
+        real(self, plan, planner).wait()
+        os._exit(3)  # killed after writing its data, before any metadata
+
+    FileSystemWriter.write_data = write_then_die  # type: ignore[method-assign]
+    ckpt.save(_state(shardwise.get_default_group().size, 0, 4.0), path)
+
+
+def test_a_save_killed_half_way_leaves_the_previous_checkpoint_loadable(tmp_path: Path) -> None:
+    path = str(tmp_path / "ckpt")
+    _run(save_rank, 1, path, 1.0)
+    with pytest.raises(Exception, match="exit|code|died|3"):
+        _run(killed_save_rank, 1, path)
+    leftovers = [p for p in os.listdir(tmp_path) if p != "ckpt"]
+    assert len(leftovers) == 1 and leftovers[0].startswith(".ckpt.saving-")
+    assert _run(load_rank, 2, path, 1.0) == [True, True]
+
+
+def test_an_interrupted_replacement_loads_the_old_copy(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    _run(save_rank, 2, str(path), 3.0)
+    os.replace(path, tmp_path / ".ckpt.old-0123")  # as if killed between the two renames
+    assert _run(load_rank, 2, str(path), 3.0) == [True, True]
+
+
+def missing_rank(path: str) -> tuple[str, str]:
+    return outcome(lambda: ckpt.load(_state(shardwise.get_default_group().size, 0, empty=True), path))
+
+
+def test_load_from_nothing(tmp_path: Path) -> None:
+    for kind, message in _run(missing_rank, 2, str(tmp_path / "absent")):
+        assert kind == "FileNotFoundError" and "absent" in message
+
+
+def wrong_size_rank(path: str) -> tuple[str, str]:
+    w = shardwise.get_default_group().size
+    state = {"model": {"weight": _sharded(torch.zeros(10, 4), ChunkShardingSpec(0, [f"rank:{r}/cpu" for r in range(w)]))}}
+    return outcome(lambda: ckpt.load(state, path))
+
+
+def test_load_into_another_global_size_names_the_key_on_every_rank(tmp_path: Path) -> None:
+    path = str(tmp_path / "ckpt")
+    _run(save_rank, 2, path, 1.0)
+    for kind, message in _run(wrong_size_rank, 2, path):
+        assert kind == "ValueError"
+        assert "model.weight" in message and "[9, 4]" in message and "[10, 4]" in message
+
+
+def test_plans_and_results_travel_as_json() -> None:
+    props = TensorProperties(dtype=torch.bfloat16, requires_grad=True)
+    plan = SavePlan(
+        items=[
+            WriteItem(MetadataIndex("a.w", torch.Size([2, 0]), 1), WriteItemType.SHARD,
+                      tensor_data=TensorWriteData(ChunkStorageMetadata(torch.Size([2, 0]), torch.Size([2, 5])),
+                                                  props, torch.Size([4, 5]))),
+            WriteItem(MetadataIndex("step"), WriteItemType.BYTE_IO, bytes_io_data=BytesIOWriteData(12)),
+        ],
+        storage_data=_StoragePrefix("__1_"),
+        planner_data={"a.w": ("a", "w"), "step": ("step",)},
+    )
+    wire = json.loads(json.dumps(codec.encode_plan(plan)))
+    assert codec.decode_plan(wire) == plan
+    results = [WriteResult(MetadataIndex("a.w", torch.Size([2, 0])), 40, _StorageInfo("__1_0.distcp", 8, 40, ["x"]))]
+    assert codec.decode_results(json.loads(json.dumps(codec.encode_results(results)))) == results
+
+
+def test_a_peer_cannot_name_arbitrary_types() -> None:
+    plan = SavePlan(items=[WriteItem(MetadataIndex("w", torch.Size([0])), WriteItemType.SHARD,
+                                     tensor_data=TensorWriteData(ChunkStorageMetadata(torch.Size([0]), torch.Size([1])),
+                                                                 TensorProperties(dtype=torch.float32), torch.Size([1])))])
+    wire = codec.encode_plan(plan)
+    wire["items"][0]["tensor"]["dtype"] = "os.system"
+    with pytest.raises(ValueError, match="unknown dtype 'os.system'"):
+        codec.decode_plan(wire)
+    wire = codec.encode_plan(plan)
+    wire["items"][0]["type"] = "EXEC"
+    with pytest.raises(ValueError, match="unknown write item type 'EXEC'"):
+        codec.decode_plan(wire)
