@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_torchrun_gloo import JOB_TIMEOUT, PROGRAMS, _environment, _run
+from test_torchrun_gloo import JOB_TIMEOUT, PROGRAMS, _environment, _run, torchrun
 
 pytest.importorskip("shardwise_mpi", reason="shardwise-mpi is not installed in this env")
 try:
@@ -47,3 +47,14 @@ def test_readme_embedding_bag_training_under_mpiexec() -> None:
     out = mpiexec(PROGRAMS / "embedding_bag_train.py", 3)
     for rank, rows in ((0, "0..333"), (1, "334..667"), (2, "668..999")):
         assert f"rank {rank}: rows {rows} match dense training" in out, out
+
+
+def test_checkpoint_saved_under_mpiexec_loads_under_torchrun_into_another_spec(tmp_path: Path) -> None:
+    pytest.importorskip("shardwise_gloo", reason="the torchrun half needs shardwise-gloo")
+    path = str(tmp_path / "ckpt")
+    out = mpiexec(PROGRAMS / "checkpoint_across_launchers.py", 2, "save", path)
+    assert sorted(re.findall(r"rank (\d) of 2 \(mpi\) saved", out)) == ["0", "1"], out
+    result = torchrun(PROGRAMS / "checkpoint_across_launchers.py", 3, args=("load", path))
+    assert result.returncode == 0, f"torchrun exited {result.returncode}; output:\n{result.stdout}"
+    found = re.findall(r"rank (\d) of 3 \(gloo\) loaded a \[11, 6\] weight saved elsewhere", result.stdout)
+    assert sorted(found) == ["0", "1", "2"], result.stdout

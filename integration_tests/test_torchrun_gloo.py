@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Sequence
 
 import pytest
 
@@ -80,13 +81,13 @@ def _run(cmd: list[str], timeout: float, env: dict[str, str]) -> subprocess.Comp
 
 
 def torchrun(
-    program: Path, nproc: int = 2, timeout: float = JOB_TIMEOUT, **env: str
+    program: Path, nproc: int = 2, timeout: float = JOB_TIMEOUT, args: Sequence[str] = (), **env: str
 ) -> subprocess.CompletedProcess[str]:
-    """Launch ``program`` under ``torchrun --standalone --nproc-per-node nproc``."""
+    """Launch ``program *args`` under ``torchrun --standalone --nproc-per-node nproc``."""
     cmd = [
         sys.executable, "-m", "torch.distributed.run",
         "--standalone", "--nproc-per-node", str(nproc), "--max-restarts", "0",
-        str(program),
+        str(program), *args,
     ]  # fmt: skip
     return _run(cmd, timeout, _environment(**env))
 
