@@ -176,3 +176,81 @@ def test_a_peer_cannot_name_arbitrary_types() -> None:
     wire["items"][0]["type"] = "EXEC"
     with pytest.raises(ValueError, match="unknown write item type 'EXEC'"):
         codec.decode_plan(wire)
+
+
+def _grads(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + step)
+    return torch.randn(9, 4, generator=gen), torch.randn(4, generator=gen)
+
+
+def _train(weight: Any, bias: torch.Tensor, opt: Any, steps: range) -> None:
+    from rank_helpers import box
+
+    for step in steps:
+        gw, gb = _grads(step)
+        if isinstance(weight, torch.Tensor) and not hasattr(weight, "local_shards"):
+            weight.grad = gw.clone()
+        else:
+            for shard in weight.local_shards():
+                shard.tensor.grad = box(gw, shard.metadata).clone()
+        bias.grad = gb.clone()
+        opt.step()
+
+
+def optimizer_save_rank(path: str, optimizer: str) -> None:
+    from shardwise.sharded_optim import ShardedOptimizer
+
+    w = shardwise.get_default_group().size
+    weight = _sharded(WEIGHT, ChunkShardingSpec(0, [f"rank:{r}/cpu" for r in range(w)]), requires_grad=True)
+    bias = torch.zeros(4, requires_grad=True)
+    opt = ShardedOptimizer({"weight": weight, "bias": bias}, OPTIMIZERS[optimizer], lr=0.1)
+    _train(weight, bias, opt, range(2))
+    ckpt.save({"model": {"weight": weight, "bias": bias}, "optim": ckpt.optimizer_state(opt)}, path)
+
+
+def optimizer_load_rank(path: str, optimizer: str) -> list[str]:
+    from shardwise.sharded_optim import ShardedOptimizer
+
+    w = shardwise.get_default_group().size
+    places = [f"rank:{r}/cpu" for r in reversed(range(w))]
+    weight = _sharded(torch.zeros_like(WEIGHT), ChunkShardingSpec(1, places), requires_grad=True)
+    bias = torch.zeros(4, requires_grad=True)
+    opt = ShardedOptimizer({"weight": weight, "bias": bias}, OPTIMIZERS[optimizer], lr=0.1)
+    ckpt.load({"model": {"weight": weight, "bias": bias}}, path)
+    ckpt.load_optimizer(opt, path, key="optim")
+    _train(weight, bias, opt, range(2, 4))
+    # The same optimizer on the dense tensors, four steps without a checkpoint.
+    dense_w, dense_b = WEIGHT.clone().requires_grad_(), torch.zeros(4, requires_grad=True)
+    _train(dense_w, dense_b, OPTIMIZERS[optimizer]([dense_w, dense_b], lr=0.1), range(4))
+    problems = []
+    if not torch.allclose(weight.full_tensor(), dense_w.detach(), rtol=1e-6, atol=1e-7):
+        problems.append("weight differs from dense training")
+    if not torch.allclose(bias.detach(), dense_b.detach(), rtol=1e-6, atol=1e-7):
+        problems.append("bias differs from dense training")
+    return problems
+
+
+OPTIMIZERS = {"adam": torch.optim.Adam, "sgd-momentum": lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9)}
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_optimizer_state_reshards_with_the_parameters(tmp_path: Path, optimizer: str) -> None:
+    """Save after two steps on 2 ranks (rows), resume on 3 ranks (columns): the run continues as dense training."""
+    path = str(tmp_path / "ckpt")
+    _run(optimizer_save_rank, 2, path, optimizer)
+    assert _run(optimizer_load_rank, 3, path, optimizer) == [[], [], []]
+
+
+def no_optimizer_rank(path: str) -> tuple[str, str]:
+    from shardwise.sharded_optim import ShardedOptimizer
+
+    bias = torch.zeros(4, requires_grad=True)
+    opt = ShardedOptimizer({"bias": bias}, torch.optim.SGD, lr=0.1)
+    return outcome(lambda: ckpt.load_optimizer(opt, path, key="optim"))
+
+
+def test_load_optimizer_without_optimizer_state(tmp_path: Path) -> None:
+    path = str(tmp_path / "ckpt")
+    _run(save_rank, 2, path, 1.0)
+    for kind, message in _run(no_optimizer_rank, 2, path):
+        assert kind == "KeyError" and "no optimizer state under 'optim'" in message

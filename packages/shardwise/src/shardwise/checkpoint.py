@@ -29,6 +29,12 @@ Example:
     >>> state = {"model": model.state_dict(), "step": 0}
     >>> shardwise.checkpoint.load(state, "ckpt/")    # fills the tensors in place
     >>> model.load_state_dict(state["model"]); step = state["step"]
+
+    With the optimizer (its state resharded to the parameters' current specs):
+
+    >>> shardwise.checkpoint.save({"model": model.state_dict(),
+    ...                            "optim": shardwise.checkpoint.optimizer_state(opt)}, "ckpt/")
+    >>> shardwise.checkpoint.load_optimizer(opt, "ckpt/", key="optim")
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ from shardwise._group import Group
 from shardwise._runtime import resolve_group
 from shardwise.errors import PeerError
 
-__all__ = ["load", "save"]
+__all__ = ["load", "load_optimizer", "optimizer_state", "save"]
 
 T = TypeVar("T")
 PathLike = Union[str, "os.PathLike[str]"]
@@ -201,3 +207,68 @@ def load(state_dict: dict[str, Any], path: PathLike, *, process_group: Any = Non
         reader[0].read_data(planner.finish_plan(central), planner).wait()
 
     _together(group, "reading", read)
+
+
+def optimizer_state(optimizer: Any) -> dict[str, Any]:
+    """A :class:`~shardwise.sharded_optim.ShardedOptimizer`'s state, ready to put in a state dict to :func:`save`.
+
+    State shaped like a parameter's shards (momentum, Adam's moments) becomes
+    a ShardedTensor laid out like the parameter, so it reshards on load;
+    param groups name parameters, not shards.
+
+    Returns:
+        ``{"state": {param name: {field: value}}, "param_groups": [...]}``.
+    """
+    from shardwise._optim_checkpoint import optimizer_state as build
+
+    return build(optimizer)
+
+
+def load_optimizer(optimizer: Any, path: PathLike, *, key: str = "optim", process_group: Any = None) -> None:
+    """Load the optimizer state saved under ``key`` (from :func:`optimizer_state`) into ``optimizer``.
+
+    Works for any number of ranks and any sharding of the parameters (the
+    same parameter names and param groups): each rank receives the state of
+    the shards it holds now.
+
+    Args:
+        optimizer: A ShardedOptimizer over the model's parameters.
+        path: Checkpoint directory.
+        key: Top-level key the optimizer state was saved under.
+        process_group: A shardwise Group, a torch ProcessGroup or None.
+
+    Raises:
+        KeyError: the checkpoint has no optimizer state under ``key``.
+        ValueError: the checkpoint names parameters this optimizer lacks.
+        PeerError: loading failed on another rank.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from shardwise._optim_checkpoint import apply_loaded, empty_targets
+
+    group = resolve_group(process_group)
+    source = Path(os.fspath(path)).absolute()
+
+    def targets() -> dict[str, Any]:
+        metadata = FileSystemReader(_readable(source)).read_metadata()
+        saved: dict[str, dict[str, Any]] = {}
+        groups: dict[int, dict[str, Any]] = {}
+        for flat, where in (metadata.planner_data or {}).items():
+            if not where or where[0] != key:
+                continue
+            md = metadata.state_dict_metadata[flat]
+            spec = (list(md.size), md.properties.dtype) if isinstance(md, TensorStorageMetadata) else None
+            if len(where) == 4 and where[1] == "state":
+                saved.setdefault(str(where[2]), {})[str(where[3])] = spec
+            elif len(where) == 4 and where[1] == "param_groups":
+                groups.setdefault(int(where[2]), {})[str(where[3])] = None
+        if not groups:
+            raise KeyError(f"the checkpoint at {source} has no optimizer state under {key!r}")
+        return {"state": empty_targets(optimizer, saved), "param_groups": [groups[i] for i in sorted(groups)]}
+
+    built = _together(group, "reading the optimizer state's layout", targets)
+    state = {key: built}
+    load(state, source, process_group=group)
+    _together(group, "applying the optimizer state",
+              lambda: apply_loaded(optimizer, built["state"], built["param_groups"]))
