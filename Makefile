@@ -10,7 +10,7 @@ PIP    := $(BIN)/python -m pip
 
 # Editable distributions installed into the dev venv.
 DISTS := -e packages/shardwise[test] -e plugins/shardwise-gloo -e plugins/shardwise-nccl -e plugins/shardwise-mpi[mpich] \
-         -e plugins/shardwise-embedding[test]
+         -e plugins/shardwise-embedding[test] -e plugins/shardwise-fsdp[test]
 DEV_TOOLS := tox ruff mypy pytest pytest-timeout hypothesis numpy
 
 # `make install` is re-run when any of these change.

@@ -1,27 +1,9 @@
-"""Fixtures shared by the shardwise-embedding tests.
-
-The tests directory goes on ``sys.path`` so the ranks started by
-``shardwise.testing.run_ranks`` (which copy this process's ``sys.path``) can
-import ``emb_helpers`` and the test modules their rank functions live in.
-Installed plugins (this one, the gloo backend) load through their entry
-points, so no ``SHARDWISE_PLUGINS`` is needed.
-"""
+"""Fixtures of the shardwise-embedding tests: a fresh plugin manager per test, and test modules importable by ranks."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-from typing import Iterator
+from shardwise.testing.fixtures import fresh_plugin_manager, importable_tests
 
-import pytest
+importable_tests(__file__)
 
-from shardwise.testing import isolated_plugins
-
-sys.path.insert(0, str(Path(__file__).parent))
-
-
-@pytest.fixture(autouse=True)
-def fresh_plugin_manager() -> Iterator[None]:
-    """Each test starts from a plugin manager built from its own environment."""
-    with isolated_plugins():
-        yield
+__all__ = ["fresh_plugin_manager"]

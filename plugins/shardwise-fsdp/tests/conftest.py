@@ -1,0 +1,9 @@
+"""Fixtures of the shardwise-fsdp tests: a fresh plugin manager per test, and test modules importable by ranks."""
+
+from __future__ import annotations
+
+from shardwise.testing.fixtures import fresh_plugin_manager, importable_tests
+
+importable_tests(__file__)
+
+__all__ = ["fresh_plugin_manager"]
