@@ -2,11 +2,14 @@
 
 :func:`to_dtensor` and :func:`from_dtensor` convert between a
 :class:`~shardwise.ShardedTensor` and a ``torch.distributed.tensor.DTensor``
-without copying the local data (see ``shardwise_fsdp._dtensor``).
+without copying the local data (see ``shardwise_fsdp._dtensor``);
+:func:`state_dict_from_dtensors` and :func:`state_dict_to_dtensors` do it for
+whole state dicts, such as an FSDP2 (``fully_shard``) model's.
 """
 
 from __future__ import annotations
 
 from shardwise_fsdp._dtensor import from_dtensor, to_dtensor
+from shardwise_fsdp._state_dict import state_dict_from_dtensors, state_dict_to_dtensors
 
-__all__ = ["from_dtensor", "to_dtensor"]
+__all__ = ["from_dtensor", "state_dict_from_dtensors", "state_dict_to_dtensors", "to_dtensor"]
