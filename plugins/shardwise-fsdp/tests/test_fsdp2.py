@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from fsdp_helpers import one_step, small_model
 from shardwise_fsdp import state_dict_from_dtensors, state_dict_to_dtensors
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -16,19 +17,11 @@ from shardwise import ChunkShardingSpec, ShardedTensor, shard_parameter
 from shardwise.testing import run_ranks
 
 
-def _model(seed: int) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3))
-
-
 def _fsdp2_trained() -> torch.nn.Module:
-    """An FSDP2 model after one SGD step on a batch every rank shares (so the values are not the init)."""
-    model = _model(0)
+    """An FSDP2 model after one training step."""
+    model = small_model(0)
     fully_shard(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    model(torch.linspace(-1, 1, 20).reshape(4, 5)).pow(2).sum().backward()
-    opt.step()
-    return model
+    return one_step(model)
 
 
 def save_rank(path: str) -> dict[str, Any]:
@@ -47,7 +40,7 @@ def save_rank(path: str) -> dict[str, Any]:
 
 def load_rank(path: str) -> dict[str, torch.Tensor]:
     size = shardwise.get_default_group().size
-    model = _model(1)  # other values, to be overwritten
+    model = small_model(1)  # other values, to be overwritten
     places = [f"rank:{r}/cpu" for r in range(size)]
     shard_parameter(model[0], "weight", ChunkShardingSpec(dim=1, placements=places))
     shard_parameter(model[2], "weight", ChunkShardingSpec(dim=0, placements=places))
@@ -80,7 +73,7 @@ def round_trip_rank() -> dict[str, Any]:
         "shared": all(back[k].to_local().data_ptr() == sd[k].to_local().data_ptr()
                       for k in sd if sd[k].to_local().numel()),
     }
-    fresh = _model(2)
+    fresh = small_model(2)
     fully_shard(fresh)
     fresh.load_state_dict(back)
     found["loaded"] = all(torch.equal(fresh.state_dict()[k].full_tensor(), sd[k].full_tensor()) for k in sd)
