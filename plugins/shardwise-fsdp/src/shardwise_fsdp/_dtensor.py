@@ -65,10 +65,6 @@ def _box_at(size: Sequence[int], placements: Sequence[Any], mesh_shape: Sequence
     return tuple(offsets), tuple(sizes)
 
 
-def _device_of(mesh: DeviceMesh) -> str:
-    return "cpu" if mesh.device_type == "cpu" else mesh.device_type
-
-
 def from_dtensor(dt: DTensor, process_group: Any = None) -> ShardedTensor:
     """A ShardedTensor with ``dt``'s global size and values; its local shard is ``dt``'s local tensor.
 
@@ -98,7 +94,7 @@ def from_dtensor(dt: DTensor, process_group: Any = None) -> ShardedTensor:
     ranks = mesh.mesh.tolist() if mesh.ndim else [mesh.mesh.item()]
     mesh_shape = tuple(mesh.mesh.shape)
     size = tuple(dt.shape)
-    device = _device_of(mesh)
+    device = mesh.device_type
     replicated = [i for i, p in enumerate(dt.placements) if isinstance(p, Replicate)]
     shards_md: list[ShardMetadata] = []
     mine: Optional[ShardMetadata] = None
