@@ -17,6 +17,7 @@ which never ran) fail, with the ranks' tracebacks on the case that hung.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import tempfile
@@ -329,3 +330,28 @@ def sharded_twins(
     weight = sharded.weight
     ck.true(isinstance(weight, shardwise.ShardedTensor), f"shard_parameter left {type(weight).__name__}")
     return sharded, ref, weight  # type: ignore[return-value]
+
+
+def step_dense_twin(
+    ck: Checks, step: int, rank: int, out: Any, weight: Any, ref_outs: Sequence[Any], grads: Sequence[Any],
+    ref_weight: Any, ref_optim: Any,
+) -> None:
+    """One step of the dense twin (every rank's batch), then compare this rank's output and shards with it."""
+    sum((o * g).sum() for o, g in zip(ref_outs, grads, strict=True)).backward()  # type: ignore[union-attr]
+    ref_optim.step()
+    ref_optim.zero_grad()
+    ck.output(out, ref_outs[rank].detach(), f"step {step} output")
+    ck.shards(weight, ref_weight.detach(), f"step {step} weight")
+
+
+def battery_of(
+    layout_names: Sequence[str], names_for: Callable[[str], Sequence[str]], options: Any,
+    functional_case: Callable[..., None], module_case: Callable[..., None], w: int, rank: int,
+) -> dict[str, Callable[[], None]]:
+    """``{"layout/name": case}``: functional cases for names in ``options``, module cases for the rest."""
+    cases: dict[str, Callable[[], None]] = {}
+    for layout in layout_names:
+        for name in names_for(layout):
+            case = functional_case if name in options else module_case
+            cases[f"{layout}/{name}"] = functools.partial(case, w, rank, layout, name)
+    return cases

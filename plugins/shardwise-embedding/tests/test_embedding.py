@@ -10,7 +10,6 @@ one launch (:func:`embedding_battery`); each case is still its own pytest test.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, replace
 from typing import Any, Optional
@@ -23,6 +22,7 @@ from emb_helpers import (
     Checks,
     assert_case,
     battery,
+    battery_of,
     battery_results,
     chunk_spec,
     dense_weight,
@@ -31,6 +31,7 @@ from emb_helpers import (
     random_ids,
     shard_dense,
     sharded_twins,
+    step_dense_twin,
     weighted_loss,
 )
 from torch import nn
@@ -273,11 +274,7 @@ def module_case(w: int, rank: int, layout: str, name: str) -> None:
             ref_outs = [p.reshape(*i.shape, dim) for p, i in zip(flat, ids, strict=True)]
         else:
             ref_outs = [ref(i) for i in ids]
-        sum((o * g).sum() for o, g in zip(ref_outs, grads, strict=True)).backward()  # type: ignore[union-attr]
-        ref_optim.step()
-        ref_optim.zero_grad()
-        ck.output(out, ref_outs[rank].detach(), f"step {step} output")
-        ck.shards(weight, ref.weight.detach(), f"step {step} weight")
+        step_dense_twin(ck, step, rank, out, weight, ref_outs, grads, ref.weight, ref_optim)
     ck.done()
 
 
@@ -285,11 +282,8 @@ def embedding_battery(results_dir: str = "", only: tuple[str, ...] = ()) -> dict
     """Every case of :func:`case_names` on this rank: case -> "ok" or the failure."""
     group = shardwise.get_default_group()
     w, rank = group.size, group.rank
-    cases = {}
-    for layout in layouts(w):
-        for name in names_for(w, layout):
-            case = functional_case if name in OPTIONS else module_case
-            cases[f"{layout}/{name}"] = functools.partial(case, w, rank, layout, name)
+    cases = battery_of(list(layouts(w)), lambda layout: names_for(w, layout), OPTIONS, functional_case,
+                       module_case, w, rank)
     assert list(cases) == case_names(w)
     return battery(cases, results_dir, only)
 

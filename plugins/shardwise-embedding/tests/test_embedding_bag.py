@@ -9,7 +9,6 @@ per world size runs every case; a hypothesis test draws random bags on 2 ranks.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -22,6 +21,7 @@ from emb_helpers import (
     Checks,
     assert_case,
     battery,
+    battery_of,
     battery_results,
     chunk_spec,
     dense_weight,
@@ -31,6 +31,7 @@ from emb_helpers import (
     run,
     shard_dense,
     sharded_twins,
+    step_dense_twin,
     weighted_loss,
 )
 from hypothesis import HealthCheck, Phase, given, settings
@@ -391,11 +392,7 @@ def module_case(w: int, rank: int, layout: str, name: str) -> None:
             ref_outs = bags_with_global_frequencies(all_bags, ref.weight, [b.psw for b in all_bags], ref_kw)
         else:
             ref_outs = [ref(b.ids, b.offsets, b.psw) for b in all_bags]
-        sum((o * g).sum() for o, g in zip(ref_outs, grads, strict=True)).backward()  # type: ignore[union-attr]
-        ref_optim.step()
-        ref_optim.zero_grad()
-        ck.output(out, ref_outs[rank].detach(), f"step {step} output")
-        ck.shards(weight, ref.weight.detach(), f"step {step} weight")
+        step_dense_twin(ck, step, rank, out, weight, ref_outs, grads, ref.weight, ref_optim)
     ck.done()
 
 
@@ -403,11 +400,8 @@ def bag_battery(results_dir: str = "", only: tuple[str, ...] = ()) -> dict[str, 
     """Every case of :func:`case_names` on this rank: case -> "ok" or the failure."""
     group = shardwise.get_default_group()
     w, rank = group.size, group.rank
-    cases = {}
-    for layout in layouts(w):
-        for name in names_for(w, layout):
-            case = functional_case if name in OPTIONS else module_case
-            cases[f"{layout}/{name}"] = functools.partial(case, w, rank, layout, name)
+    cases = battery_of(list(layouts(w)), lambda layout: names_for(w, layout), OPTIONS, functional_case,
+                       module_case, w, rank)
     assert list(cases) == case_names(w)
     return battery(cases, results_dir, only)
 
