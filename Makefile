@@ -18,7 +18,7 @@ INSTALL_INPUTS := constraints.txt $(wildcard packages/*/pyproject.toml plugins/*
 STAMP := $(VENV)/.install-stamp
 
 LINT_PATHS := packages plugins integration_tests benchmarks
-MYPY_PATHS := packages/shardwise/src/shardwise
+MYPY_PATHS := packages/shardwise/src/shardwise $(wildcard plugins/*/src)
 
 .PHONY: install test lint bench-mpi bench-embedding clean distclean
 

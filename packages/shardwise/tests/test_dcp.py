@@ -16,8 +16,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 import shardwise
-from shardwise._metadata import ShardMetadata
-from shardwise.sharded_tensor import ShardedTensor
+from shardwise._metadata import ShardMetadata, TensorProperties
+from shardwise.sharded_tensor import Shard, ShardedTensor
 from shardwise.sharding_spec import ChunkShardingSpec, EnumerableShardingSpec, ShardingSpec
 
 from rank_helpers import HAS_TORCH_PG, outcome
@@ -152,3 +152,42 @@ def empty_shard_rank() -> tuple[int, int]:
 
 def test_empty_shards_write_nothing() -> None:
     assert _run(empty_shard_rank, 3) == [(1, 1), (1, 1), (0, 0)]
+
+
+def _nested_rows(full: torch.Tensor) -> ShardedTensor:
+    """``full`` (8 x 3) as two row blocks whose shards are ShardedTensors of two row chunks each (one rank)."""
+    group = shardwise.get_default_group()
+    outer = EnumerableShardingSpec([ShardMetadata([0, 0], [5, 3], "rank:0/cpu"), ShardMetadata([5, 0], [3, 3], "rank:0/cpu")])
+    md = outer.build_metadata(full.size(), TensorProperties(dtype=full.dtype))
+    shards = [Shard(_sharded(full[m.shard_offsets[0]:m.shard_offsets[0] + m.shard_sizes[0]].contiguous(),
+                             ChunkShardingSpec(0, ["rank:0/cpu", "rank:0/cpu"]), group), m)
+              for m in md.shards_metadata]
+    return ShardedTensor._init_from_local_shards_and_global_metadata(shards, md, process_group=group,
+                                                                      sharding_spec=outer)
+
+
+def nested_rank(path: str) -> dict[str, Any]:
+    full = torch.arange(8 * 3, dtype=torch.float32).reshape(8, 3)
+    nested = _nested_rows(full)
+    items = nested.__create_write_items__("w", nested)
+    leaf = nested.local_shards()[1].tensor.local_shards()[1].tensor  # rows 7..7 of the outer block at row 5
+    got = nested.__get_tensor_shard__(MetadataIndex("w", [7, 0]))
+    dcp.save({"w": nested}, checkpoint_id=path)
+    flat = _sharded(torch.zeros(8, 3), ChunkShardingSpec(1, ["rank:0/cpu"]))
+    dcp.load({"w": flat}, checkpoint_id=path)
+    empty = _nested_rows(torch.zeros(8, 3))
+    dcp.load({"w": empty}, checkpoint_id=path)
+    return {
+        "items": [(list(i.index.offset), list(i.tensor_data.chunk.sizes)) for i in items],
+        "alias": got is leaf,
+        "flat": torch.equal(flat.full_tensor(), full),
+        "nested": torch.equal(empty.full_tensor(), full),
+    }
+
+
+def test_nested_shards_save_and_load_at_their_global_offsets(tmp_path: Path) -> None:
+    found = _run(nested_rank, 1, str(tmp_path / "ckpt"))[0]
+    # Outer blocks of 5 and 3 rows, each cut by torch.chunk into 3 + 2 and 2 + 1.
+    assert found["items"] == [([0, 0], [3, 3]), ([3, 0], [2, 3]), ([5, 0], [2, 3]), ([7, 0], [1, 3])]
+    assert found["alias"]
+    assert found["flat"] and found["nested"]

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import torch
-from fsdp_helpers import one_step, small_model
+from fsdp_helpers import chunks, load_into_shardwise, one_step, small_model
 from shardwise_fsdp import ShardwiseFSDPExtensions, install
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import StateDictType
@@ -67,15 +67,7 @@ def test_sharded_state_dict_holds_shardwise_tensors_and_round_trips(tmp_path: Pa
 
 
 def load_into_shardwise_rank(path: str) -> dict[str, torch.Tensor]:
-    from shardwise import ChunkShardingSpec, shard_parameter
-
-    size = shardwise.get_default_group().size
-    model = small_model(2)
-    shard_parameter(model[0], "weight", ChunkShardingSpec(dim=1, placements=[f"rank:{r}/cpu" for r in range(size)]))
-    state = {"model": model.state_dict()}
-    shardwise.checkpoint.load(state, path)
-    return {k: v.full_tensor() if isinstance(v, ShardedTensor) else v.detach().clone()
-            for k, v in model.state_dict().items()}
+    return load_into_shardwise(small_model(2), path, {"0": chunks(1)})
 
 
 def test_an_fsdp1_checkpoint_loads_into_a_shardwise_model_on_three_ranks(tmp_path: Path) -> None:

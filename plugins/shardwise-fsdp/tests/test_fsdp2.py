@@ -6,14 +6,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from fsdp_helpers import one_step, small_model
+from fsdp_helpers import chunks, load_into_shardwise, one_step, small_model
 from shardwise_fsdp import state_dict_from_dtensors, state_dict_to_dtensors
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 import shardwise
 import shardwise.checkpoint
-from shardwise import ChunkShardingSpec, ShardedTensor, shard_parameter
 from shardwise.testing import run_ranks
 
 
@@ -39,15 +38,8 @@ def save_rank(path: str) -> dict[str, Any]:
 
 
 def load_rank(path: str) -> dict[str, torch.Tensor]:
-    size = shardwise.get_default_group().size
-    model = small_model(1)  # other values, to be overwritten
-    places = [f"rank:{r}/cpu" for r in range(size)]
-    shard_parameter(model[0], "weight", ChunkShardingSpec(dim=1, placements=places))
-    shard_parameter(model[2], "weight", ChunkShardingSpec(dim=0, placements=places))
-    state = {"model": model.state_dict(), "step": 0}
-    shardwise.checkpoint.load(state, path)
-    return {k: v.full_tensor() if isinstance(v, ShardedTensor) else v.detach().clone()
-            for k, v in model.state_dict().items()}
+    # small_model(1): other values, to be overwritten.
+    return load_into_shardwise(small_model(1), path, {"0": chunks(1), "2": chunks(0)}, extra={"step": 0})
 
 
 def test_an_fsdp2_checkpoint_loads_into_a_shardwise_model_on_another_world_size(tmp_path: Path) -> None:

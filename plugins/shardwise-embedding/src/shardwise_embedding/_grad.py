@@ -24,7 +24,8 @@ class _ScaleGrad(Function):
 
 def scale_grad(rows: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``rows`` unchanged, whose gradient is multiplied row by row by ``scale``."""
-    return _ScaleGrad.apply(rows, scale)
+    scaled: torch.Tensor = _ScaleGrad.apply(rows, scale)
+    return scaled
 
 
 def pool_by_frequency(

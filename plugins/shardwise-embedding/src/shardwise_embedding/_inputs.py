@@ -111,9 +111,12 @@ def table_of(weight: Any, op: str) -> Table:
     dim = dim + 2 if dim in (-1, -2) else dim
     if dim not in (0, 1):
         raise NotImplementedError(f"{op}: weight is sharded on dim {spec.dim}; supported: {supported}")
-    shards = sorted(
-        (md.shard_offsets[dim], md.shard_sizes[dim], md.placement.rank()) for md in weight.metadata().shards_metadata
-    )
+    placed = []
+    for md in weight.metadata().shards_metadata:
+        if md.placement is None:
+            raise ValueError(f"{op}: weight shard ({md.describe()}) has no placement")
+        placed.append((md.shard_offsets[dim], md.shard_sizes[dim], md.placement.rank()))
+    shards = sorted(placed)
     local = sorted(
         ((s.metadata.shard_offsets[dim], s.metadata.shard_sizes[dim], s.tensor) for s in weight.local_shards()),
         key=lambda item: item[0],

@@ -68,7 +68,8 @@ def distinct(ids: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor, 
     table-sized mask is several times faster than sorting them.
     """
     if rows > 4 * ids.numel() + 1024:
-        return torch.unique(ids, return_inverse=True, return_counts=True)
+        uniq, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
+        return uniq, inverse, counts
     present = torch.zeros(rows, dtype=torch.bool)
     present[ids] = True
     uniq = present.nonzero().squeeze(1)

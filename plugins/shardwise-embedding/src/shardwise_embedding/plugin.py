@@ -26,7 +26,7 @@ def _softmax_dim(args: Any, kwargs: Any) -> int:
     dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
     if dim is None:
         raise TypeError("softmax on a ShardedTensor needs an explicit dim")
-    return int(dim) % max(args[0].dim(), 1)
+    return int(dim) % max(int(args[0].dim()), 1)
 
 
 def _not_along_sharded_dim(*args: Any, **kwargs: Any) -> None:
@@ -66,10 +66,10 @@ def shardwise_sharded_ops() -> Iterable[ShardedOp]:
         )
     # Softmax over an embedding-sized tensor kept sharded (e.g. scores sharded over a
     # vocabulary dim): along any dim but the sharded one it runs on the local tensor.
-    for op in (F.softmax, F.log_softmax):
+    for softmax in (F.softmax, F.log_softmax):
         yield ShardedOp(
-            op=op,
+            op=softmax,
             spec=ChunkShardingSpec,
-            impl=local_tensor_op(op, extra_check=_not_along_sharded_dim),
+            impl=local_tensor_op(softmax, extra_check=_not_along_sharded_dim),
             description="on the local tensor, along a dim that is not sharded",
         )

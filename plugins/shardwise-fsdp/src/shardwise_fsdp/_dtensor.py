@@ -168,8 +168,9 @@ def to_dtensor(st: ShardedTensor, device_mesh: Optional[DeviceMesh] = None) -> D
         dim = spec.dim if isinstance(spec.dim, int) else -1
         layout = ([dim % len(size)], ranks) if len(set(ranks)) == len(ranks) else None
     else:
-        layout = _grid_of(size, [((tuple(m.shard_offsets), tuple(m.shard_sizes)), m.rank)
-                                 for m in md.shards_metadata])
+        placed = [((tuple(m.shard_offsets), tuple(m.shard_sizes)), m.rank) for m in md.shards_metadata]
+        layout = _grid_of(size, [(b, r) for b, r in placed if r is not None]) if all(
+            r is not None for _, r in placed) else None
     if layout is None:
         raise ValueError(
             f"to_dtensor: the {type(spec).__name__} layout of {len(md.shards_metadata)} shard(s) is not a "

@@ -144,7 +144,8 @@ class MpiGroup(Group):
             name = _op_name(op, mine.dtype) if joined is not None else None
             if out is None and name is not None:
                 out = torch.empty_like(mine, memory_format=torch.contiguous_format)
-            if name is not None and _plain(out) and out.dtype == mine.dtype and out.shape == mine.shape:
+            if (name is not None and joined is not None and out is not None and _plain(out)
+                    and out.dtype == mine.dtype and out.shape == mine.shape):
                 return C.reduce_scatter(self.comm, out, joined, [t.numel() for t in inputs], name)
         return super().reduce_scatter(inputs, op, out=out)
 

@@ -381,9 +381,19 @@ class ShardedTensor(torch.Tensor):
         gather_to(self, dst, out, enforce_dtype=enforce_dtype, dtype=dtype)
 
     def full_tensor(self) -> torch.Tensor:
-        """The whole tensor, on every rank."""
+        """The whole tensor, on every rank.
+
+        A local shard that is itself a ShardedTensor (nested layouts, such as
+        FSDP chunks inside a tensor-parallel shard) is first gathered over
+        its own group, so every rank of that group takes part.
+        """
         from shardwise._scatter import all_gather_tensor
 
+        if any(isinstance(s.tensor, ShardedTensor) for s in self._local_shards):
+            flat = [Shard(s.tensor.full_tensor() if isinstance(s.tensor, ShardedTensor) else s.tensor, s.metadata)
+                    for s in self._local_shards]
+            return all_gather_tensor(type(self)._create(self._sharding_spec, self._metadata, flat,
+                                                        self._process_group))
         return all_gather_tensor(self)
 
     # -- torch integration -------------------------------------------------

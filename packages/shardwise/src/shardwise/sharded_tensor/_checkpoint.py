@@ -10,31 +10,57 @@ with ``copy_``, so it must be the local shard itself, never a copy.
 Empty shards (trailing chunks of a ``ChunkShardingSpec``) hold no data and
 are left out: DCP requires the saved chunks to cover the tensor exactly,
 which they still do.
+
+A local shard may itself be a ShardedTensor (FSDP chunks nested in a
+tensor-parallel shard, see shardwise-fsdp): its own local shards are the
+data, at the outer shard's offsets plus theirs, so a nested tensor saves and
+loads like a flat one with those boxes.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 if TYPE_CHECKING:
     from shardwise.sharded_tensor._api import ShardedTensor
-    from shardwise.sharded_tensor._shard import Shard
 
-__all__ = ["chunk_list", "tensor_shard", "write_items"]
-
-
-def _filled(st: ShardedTensor) -> list[Shard]:
-    return [s for s in st.local_shards() if s.tensor.numel() > 0]
+__all__ = ["chunk_list", "leaves", "tensor_shard", "write_items"]
 
 
-def _chunk(shard: Shard) -> Any:
+class Leaf(NamedTuple):
+    """A local tensor holding data and its box in the outermost tensor."""
+
+    tensor: torch.Tensor
+    offsets: torch.Size
+    sizes: torch.Size
+
+
+def leaves(st: ShardedTensor) -> list[Leaf]:
+    """The local data tensors of ``st``, nested shards unwrapped, with their global boxes."""
+    from shardwise.sharded_tensor._api import ShardedTensor
+
+    found = []
+    for shard in st.local_shards():
+        base = shard.metadata.shard_offsets
+        if isinstance(shard.tensor, ShardedTensor):
+            for leaf in leaves(shard.tensor):
+                offsets = torch.Size(b + o for b, o in zip(base, leaf.offsets, strict=True))
+                found.append(Leaf(leaf.tensor, offsets, leaf.sizes))
+        else:
+            found.append(Leaf(shard.tensor, torch.Size(base), torch.Size(shard.metadata.shard_sizes)))
+    return found
+
+
+def _filled(st: ShardedTensor) -> list[Leaf]:
+    return [leaf for leaf in leaves(st) if leaf.tensor.numel() > 0]
+
+
+def _chunk(leaf: Leaf) -> Any:
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
-    return ChunkStorageMetadata(
-        offsets=torch.Size(shard.metadata.shard_offsets), sizes=torch.Size(shard.metadata.shard_sizes)
-    )
+    return ChunkStorageMetadata(offsets=leaf.offsets, sizes=leaf.sizes)
 
 
 def write_items(st: ShardedTensor, fqn: str) -> list[Any]:
@@ -43,15 +69,15 @@ def write_items(st: ShardedTensor, fqn: str) -> list[Any]:
     from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
     items = []
-    for shard in _filled(st):
-        chunk = _chunk(shard)
+    for leaf in _filled(st):
+        chunk = _chunk(leaf)
         items.append(
             WriteItem(
                 index=MetadataIndex(fqn, chunk.offsets),
                 type=WriteItemType.SHARD,
                 tensor_data=TensorWriteData(
                     chunk=chunk,
-                    properties=TensorProperties.create_from_tensor(shard.tensor),
+                    properties=TensorProperties.create_from_tensor(leaf.tensor),
                     size=torch.Size(st.size()),
                 ),
             )
@@ -61,7 +87,7 @@ def write_items(st: ShardedTensor, fqn: str) -> list[Any]:
 
 def chunk_list(st: ShardedTensor) -> list[Any]:
     """``ChunkStorageMetadata`` (offsets and sizes in the global tensor) of each non-empty local shard."""
-    return [_chunk(shard) for shard in _filled(st)]
+    return [_chunk(leaf) for leaf in _filled(st)]
 
 
 def tensor_shard(st: ShardedTensor, index: Any) -> torch.Tensor:
@@ -72,11 +98,12 @@ def tensor_shard(st: ShardedTensor, index: Any) -> torch.Tensor:
             and the offsets this rank holds).
     """
     offset = None if index.offset is None else torch.Size(index.offset)
-    for shard in st.local_shards():
-        if torch.Size(shard.metadata.shard_offsets) == offset:
-            return shard.tensor
-    held = [list(s.metadata.shard_offsets) for s in st.local_shards()]
+    held = leaves(st)
+    for leaf in sorted(held, key=lambda leaf: leaf.tensor.numel() == 0):  # an empty box may share the offset
+        if leaf.offsets == offset:
+            return leaf.tensor
+    starts = [list(leaf.offsets) for leaf in held]
     raise ValueError(
         f"checkpoint key {index.fqn!r}: this rank holds no shard of the ShardedTensor at offsets "
-        f"{None if offset is None else list(offset)}; its shards start at {held}"
+        f"{None if offset is None else list(offset)}; its shards start at {starts}"
     )
