@@ -11,16 +11,17 @@ PIP    := $(BIN)/python -m pip
 # Editable distributions installed into the dev venv.
 DISTS := -e packages/shardwise[test] -e plugins/shardwise-gloo -e plugins/shardwise-nccl -e plugins/shardwise-mpi[mpich] \
          -e plugins/shardwise-embedding[test] -e plugins/shardwise-fsdp[test]
-DEV_TOOLS := tox ruff mypy pytest pytest-timeout hypothesis numpy
+# tqdm and matplotlib: progress bars and the chart of `make demo` and `make bench`.
+DEV_TOOLS := tox ruff mypy pytest pytest-timeout hypothesis numpy tqdm matplotlib
 
 # `make install` is re-run when any of these change.
-INSTALL_INPUTS := constraints.txt $(wildcard packages/*/pyproject.toml plugins/*/pyproject.toml)
+INSTALL_INPUTS := Makefile constraints.txt $(wildcard packages/*/pyproject.toml plugins/*/pyproject.toml)
 STAMP := $(VENV)/.install-stamp
 
 LINT_PATHS := packages plugins integration_tests benchmarks
 MYPY_PATHS := packages/shardwise/src/shardwise $(wildcard plugins/*/src)
 
-.PHONY: install test lint bench-mpi bench-embedding clean distclean
+.PHONY: install test lint demo bench bench-mpi bench-embedding clean distclean
 
 install: $(STAMP)
 
@@ -36,6 +37,14 @@ $(STAMP): $(BIN)/python $(INSTALL_INPUTS)
 # makes timeouts likelier. Pass options with TOX_ARGS (TOX_ARGS="-e core").
 test: install
 	$(BIN)/tox $(TOX_ARGS)
+
+# torch 2.13's _shard (gloo) vs shardwise over gloo and over MPI, side by side:
+# scatter, reshard, gather, full_tensor (64 MiB) and the sharded embedding ops,
+# with the floor (bytes moved / memcpy bandwidth) and peak memory. Writes
+# benchmarks/results/bench-<RANKS>ranks.md and .png. `make bench RANKS=4`.
+RANKS ?= 2
+bench: install
+	$(BIN)/mpiexec -n $(RANKS) $(BIN)/python benchmarks/bench.py
 
 # Group collectives over MPI vs raw mpi4py (and over gloo), 2 ranks; writes
 # benchmarks/results/mpi_collectives.md. Not part of `make test`.

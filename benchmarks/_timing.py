@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
 import random
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["library_line", "mpi", "time_all", "with_verify"]
+__all__ = ["library_line", "mpi", "peak_memory", "script_args", "time_all", "with_verify"]
 
 
 def mpi() -> Any:
@@ -64,3 +66,31 @@ def library_line() -> str:
         f"torch {torch.__version__}, mpi4py {sys.modules['mpi4py'].__version__}, "
         f"{' '.join(mpi().Get_library_version().split()[:3])}"
     )
+
+
+def _status_bytes(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def peak_memory(fn: Callable[[], Any]) -> tuple[int, int]:
+    """This process's peak resident set while ``fn`` runs, and that peak minus the resident set before (bytes).
+
+    Linux only: writing 5 to ``/proc/self/clear_refs`` resets the peak
+    (``VmHWM``) to the current resident set.
+    """
+    before = _status_bytes("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")
+    fn()
+    peak = _status_bytes("VmHWM")
+    return peak, peak - before
+
+
+def script_args(doc: str, argv: list[str] | None = None) -> argparse.Namespace:
+    """``--smoke`` (tiny sizes: checks that the script runs, as ``make test`` does) and ``--out DIR``."""
+    parser = argparse.ArgumentParser(description=doc.split("\n", 1)[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes and 2 repeats: checks that it runs")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results", help="results directory")
+    return parser.parse_args(argv)

@@ -39,14 +39,13 @@ from __future__ import annotations
 
 import sys
 import warnings
-from pathlib import Path
 from typing import Any, Callable
 
 import shardwise_mpi  # noqa: F401  (registers the torch backend and its mpiexec rendezvous)
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _timing import library_line, mpi, time_all, with_verify
+from _timing import library_line, mpi, script_args, time_all, with_verify
 from torch.distributed._shard import _shard_tensor
 from torch.distributed._shard.sharding_spec import ChunkShardingSpec as TorchChunkSpec
 
@@ -181,6 +180,10 @@ def check(
 
 
 def main() -> int:
+    global V, D, BATCH, BAG, WARMUP, REPEATS
+    args = script_args(__doc__)
+    if args.smoke:
+        V, D, BATCH, BAG, WARMUP, REPEATS = 2000, 16, 64, 4, 1, 2
     # torch._shard warns on every call that it is deprecated in favour of DTensor (and so do its collectives).
     warnings.filterwarnings("ignore", category=FutureWarning)
     mpi_group = shardwise.init("mpi")
@@ -211,8 +214,8 @@ def main() -> int:
         del weights
     if rank == 0:
         text = table(rows, size)
-        out = Path(__file__).parent / "results" / "embedding.md"
-        out.write_text(text)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "embedding.md").write_text(text)
         print(text)
     dist.destroy_process_group()
     shardwise.destroy()

@@ -18,13 +18,12 @@ benchmarks/results/mpi_collectives.md and prints it.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import Any, Callable
 
 import shardwise_mpi  # noqa: F401  (registers the torch backend and its mpiexec rendezvous)
 import torch
 import torch.distributed as dist
-from _timing import library_line, mpi, time_all, with_verify
+from _timing import library_line, mpi, script_args, time_all, with_verify
 
 import shardwise
 from shardwise.torch_group import wrap_process_group
@@ -74,6 +73,10 @@ def cases(n: int, size: int, rank: int) -> dict[str, dict[str, Callable[[Any], C
 
 
 def main() -> int:
+    global REPEATS, SIZES_MIB, WARMUP
+    args = script_args(__doc__)
+    if args.smoke:
+        WARMUP, REPEATS, SIZES_MIB = 1, {1: 2}, (1,)
     mpi_group = shardwise.init("mpi")
     comm = mpi().COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -91,8 +94,8 @@ def main() -> int:
             rows.append((name, mib, time_all(comm, calls, REPEATS[mib], WARMUP)))
     if rank == 0:
         text = table(rows, size)
-        out = Path(__file__).parent / "results" / "mpi_collectives.md"
-        out.write_text(text)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "mpi_collectives.md").write_text(text)
         print(text)
     dist.destroy_process_group()
     shardwise.destroy()
@@ -104,7 +107,7 @@ def main() -> int:
 def table(rows: list[tuple[str, int, dict[str, float]]], size: int) -> str:
     lines = [
         f"{size} ranks, float32, per-rank buffer size; median of {'/'.join(map(str, REPEATS.values()))} calls "
-        f"(1/16/64 MiB) after {WARMUP} warm-up, slowest rank's median; {library_line()}.",
+        f"({'/'.join(map(str, SIZES_MIB))} MiB) after {WARMUP} warm-up, slowest rank's median; {library_line()}.",
         "Ratios are to raw mpi4py on the same buffers. `verify` = the default cross-rank handshake.",
         "",
         "| collective | MiB | raw mpi4py ms | shardwise mpi ms | ratio | mpi+verify ms | ratio "

@@ -19,7 +19,18 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as hst
 
-from shardwise._exchange import Plan, arrives_whole, box, copy_local, pack, plan, row_major_start, unpack
+from shardwise._exchange import (
+    Plan,
+    arrives_whole,
+    box,
+    copy_local,
+    pack,
+    plan,
+    receive_view,
+    row_major_start,
+    run_of,
+    unpack,
+)
 from shardwise._metadata import ShardMetadata, ShardedTensorMetadata, TensorProperties
 from shardwise.sharding_spec import ChunkShardingSpec
 
@@ -79,7 +90,11 @@ def simulate(src: ShardedTensorMetadata, dst: ShardedTensorMetadata, world: int)
             start = sum(plans[s].send_counts[:r])
             parts.append(wires[s][start : start + plans[s].send_counts[r]])
         flat = torch.cat(parts)
-        unpack(p, flat, targets[r])
+        into = receive_view(p, targets[r], torch.float64)
+        if into is not None:
+            into.copy_(flat)  # what the all-to-all does when given ``out=into``
+        else:
+            unpack(p, flat, targets[r])
         whole = arrives_whole(p, dst)
         if whole is not None:
             # The receive buffer, as it is, is that target shard.
@@ -248,3 +263,33 @@ def test_bad_metadata(
 def test_world_size_defaults_to_placements() -> None:
     p = plan(_chunk([6], 0, [0, 2]), _chunk([6], 0, [2, 0]), 2)
     assert p.world_size == 3 and p.recv_counts == [3, 0, 0] and p.send_counts == [3, 0, 0]
+
+
+def test_rows_move_without_packing_or_unpacking() -> None:
+    size = [7, 3]
+    whole = _md([ShardMetadata([0, 0], size, "rank:0/cpu")], size)
+    rows = _chunk(size, 0, [0, 1, 2])  # 3 + 3 + 1 rows
+    dense = torch.arange(21, dtype=torch.float64).reshape(7, 3)
+    # Scatter: rank 0 sends rows 3..6 (to ranks 1 and 2) straight from the whole tensor.
+    sent = pack(plan(whole, rows, 0, 3), {0: dense}, torch.float64, torch.device("cpu"))
+    assert sent.data_ptr() == dense[3].data_ptr() and torch.equal(sent, dense[3:].reshape(-1))
+    # Gather: rank 0 receives rows 3..6 straight into ``out``.
+    out = torch.empty(7, 3, dtype=torch.float64)
+    into = receive_view(plan(rows, whole, 0, 3), {0: out}, torch.float64)
+    assert into is not None and into.data_ptr() == out[3].data_ptr() and into.numel() == 12
+    # Columns are not runs of memory: they are packed.
+    cols = _chunk(size, 1, [0, 1, 2])
+    assert pack(plan(whole, cols, 0, 3), {0: dense}, torch.float64, torch.device("cpu")).data_ptr() != dense.data_ptr()
+    assert receive_view(plan(cols, whole, 0, 3), {0: out}, torch.float64) is None
+    # Nor is a run of another dtype (the wire dtype decides what is sent).
+    assert receive_view(plan(rows, whole, 0, 3), {0: out.float()}, torch.float64) is None
+
+
+def test_run_of_needs_consecutive_runs() -> None:
+    t = torch.zeros(4, 2)
+    md = _chunk([4, 2], 0, [0, 1, 2, 3])
+    pieces = [p for p in plan(md, _md([ShardMetadata([0, 0], [4, 2], "rank:0/cpu")], [4, 2]), 0, 4).recv if p]
+    flat = [p for per in pieces for p in per]  # rows 1, 2, 3 from ranks 1, 2, 3
+    assert run_of(t, flat, False, torch.float32) is not None
+    assert run_of(t, [flat[0], flat[2]], False, torch.float32) is None  # a gap between them
+    assert run_of(t.t(), flat, False, torch.float32) is None  # not contiguous

@@ -6,7 +6,11 @@ placed on a rank. :func:`plan` works out, from metadata alone, which
 intersection box each rank sends to each other rank; :func:`redistribute`
 then packs those boxes into one flat send buffer (``narrow`` + ``copy_``,
 no per-element Python), runs a single ``all_to_all_single`` on its bytes
-and unpacks what arrives into the targets. Boxes whose source and target
+and unpacks what arrives into the targets; pieces that lie back to back in
+one source or target (rows of dim-0 chunks) are sent from, or received
+into, a view of it instead, with no copy. Large buffers come from
+:mod:`shardwise._memory` (huge pages: a fresh 32 MiB buffer otherwise costs
+more in page faults than the transfer). Boxes whose source and target
 live on the same rank are copied directly and never touch the wire, so each
 element crosses the wire at most once, and no rank holds more than its own
 shards plus one send and one receive buffer. A target shard that arrives
@@ -26,13 +30,14 @@ from typing import TYPE_CHECKING, Mapping, NoReturn, Optional, Sequence
 
 import torch
 
+from shardwise import _memory
 from shardwise._metadata import ShardMetadata, ShardedTensorMetadata
 from shardwise.sharded_tensor._shard import Shard
 
 if TYPE_CHECKING:
     from shardwise._group import Group
 
-__all__ = ["Piece", "Plan", "plan", "redistribute", "row_major_start"]
+__all__ = ["Piece", "Plan", "plan", "receive_view", "redistribute", "row_major_start", "run_of"]
 
 
 @dataclass(frozen=True)
@@ -222,23 +227,64 @@ def copy_local(
         box(target, p.dst_start, p.sizes).copy_(piece)
 
 
+def run_of(tensor: torch.Tensor, pieces: Sequence[Piece], at_src: bool, dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """A flat view of ``tensor`` holding ``pieces`` back to back, when they lie that way in its memory.
+
+    True when every piece is one row-major run of the contiguous ``tensor``
+    (of ``dtype``) and each starts where the previous one ends, as the rows
+    of dim-0 chunks do. Sending from, or receiving into, such a view needs
+    no packing copy.
+
+    Args:
+        tensor: The source shard (``at_src``) or target shard the pieces belong to.
+        pieces: The pieces, in wire order.
+        at_src: Read the pieces' positions in their source (else their target).
+        dtype: The wire dtype.
+    """
+    if not pieces or tensor.dtype != dtype or not tensor.is_contiguous():
+        return None
+    first = pos = -1
+    for p in pieces:
+        start = row_major_start(p.src_start if at_src else p.dst_start, p.sizes, tuple(tensor.shape))
+        if start is None or (pos >= 0 and start != pos):
+            return None
+        if first < 0:
+            first = pos = start
+        pos += p.numel
+    return tensor.detach().reshape(-1)[first:pos]
+
+
 def pack(pl: Plan, sources: Mapping[int, torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """One flat ``dtype`` buffer with the pieces for rank 0, then rank 1, ...
 
-    A single piece that is a whole contiguous source shard of that dtype is
-    sent as it is (a flat view), without a copy.
+    Pieces that already lie back to back in one contiguous source shard of
+    that dtype (a whole shard, or consecutive rows of one) are sent from a
+    view of it, without a copy.
     """
     pieces = [p for per_rank in pl.send for p in per_rank]
-    if len(pieces) == 1:
-        source = sources[pieces[0].src]
-        if source.dtype == dtype and tuple(source.shape) == pieces[0].sizes and source.is_contiguous():
-            return source.detach().reshape(-1)
-    buf = torch.empty(sum(p.numel for p in pieces), dtype=dtype, device=device)
+    if pieces and all(p.src == pieces[0].src for p in pieces):
+        view = run_of(sources[pieces[0].src], pieces, True, dtype)
+        if view is not None:
+            return view
+    buf = _memory.empty((sum(p.numel for p in pieces),), dtype, device)
     pos = 0
     for p in pieces:
         buf[pos : pos + p.numel].view(p.sizes).copy_(box(sources[p.src], p.src_start, p.sizes))
         pos += p.numel
     return buf
+
+
+def receive_view(pl: Plan, targets: Mapping[int, torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """A view of one target shard that the received pieces fill back to back, if there is one.
+
+    The all-to-all then writes straight into the target (gather's ``out``,
+    a reshard target whose incoming rows are consecutive): no receive
+    buffer, no unpacking copy.
+    """
+    pieces = [p for per_rank in pl.recv for p in per_rank]
+    if not pieces or any(p.dst != pieces[0].dst for p in pieces) or pieces[0].dst not in targets:
+        return None
+    return run_of(targets[pieces[0].dst], pieces, False, dtype)
 
 
 def unpack(pl: Plan, flat: torch.Tensor, targets: Mapping[int, torch.Tensor]) -> None:
@@ -296,16 +342,19 @@ def execute(
         if not pl.needs_wire:
             return None
         send = pack(pl, sources, wire_dtype, group.device)
+        into = receive_view(pl, targets, wire_dtype)
         size = wire_dtype.itemsize
         with group.unverified() if trusted else contextlib.nullcontext():
             recv = group.all_to_all_single(
                 send.view(torch.uint8),
                 output_split_sizes=[n * size for n in pl.recv_counts],
                 input_split_sizes=[n * size for n in pl.send_counts],
+                out=None if into is None else into.view(torch.uint8),
             )
         del send  # free the send buffer before unpacking
         flat = recv.view(wire_dtype)
-        unpack(pl, flat, targets)
+        if into is None:
+            unpack(pl, flat, targets)
         return flat
 
 
@@ -339,7 +388,10 @@ def _allocate(md: ShardedTensorMetadata, rank: int, dtype: torch.dtype, skip: Op
     for j, entry in enumerate(md.shards_metadata):
         if entry.placement is not None and entry.placement.rank() == rank and j != skip:
             device = entry.placement.device()
-            out[j] = torch.empty(entry.shard_sizes, dtype=dtype, device=device, pin_memory=pin and device.type == "cpu")
+            if pin and device.type == "cpu":
+                out[j] = torch.empty(entry.shard_sizes, dtype=dtype, device=device, pin_memory=True)
+            else:
+                out[j] = _memory.empty(entry.shard_sizes, dtype, device)
     return out
 
 

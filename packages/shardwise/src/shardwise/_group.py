@@ -26,7 +26,7 @@ from typing import Any, NoReturn, Optional, Sequence
 
 import torch
 
-from shardwise import _wire
+from shardwise import _memory, _wire
 from shardwise._group_base import VERIFY_ENV, GroupBase
 from shardwise._handshake import (
     STATUS_ERRORS,
@@ -179,7 +179,7 @@ class Group(GroupBase):
         wire = _wire.to_bytes(tensor, self._wire_device(tensor))
         per_row = tensor.dtype.itemsize * prod(shape[1:])
         counts = [d * per_row for d in dims]
-        out = wire.new_empty(sum(counts))
+        out = _memory.empty((sum(counts),), wire.dtype, wire.device)
         self._all_gather(out, wire, counts)
         return split_out(out, counts, dims, shape, tensor.dtype, tensor.device)
 
@@ -246,7 +246,7 @@ class Group(GroupBase):
         if wire_out is not None and wire_out.dtype == kind:
             buf = wire_out
         else:
-            buf = inp.new_empty(counts[self.rank])
+            buf = _memory.empty((counts[self.rank],), inp.dtype, inp.device)
         self._reduce_scatter(buf, inp, counts, op_name)
         if wire_out is None:
             wire = _wire.wire_dtype(dtype)
@@ -281,7 +281,7 @@ class Group(GroupBase):
         inp = torch.cat(flat)
         per_row = dtype.itemsize * prod(shape[1:])
         out_counts = [d * per_row for d in recv_dims]
-        out = inp.new_empty(sum(out_counts))
+        out = _memory.empty((sum(out_counts),), inp.dtype, inp.device)
         self._all_to_all(out, out_counts, inp, [t.numel() for t in flat])
         return split_out(out, out_counts, recv_dims, shape, dtype, device)
 
@@ -346,7 +346,10 @@ class Group(GroupBase):
         shape = tuple(tensor.shape)
         per_row = tensor.dtype.itemsize * prod(shape[1:])
         wire = _wire.to_bytes(tensor, self._wire_device(tensor))
-        target = wire.new_empty(sum(outs) * per_row) if out is None else _wire.to_bytes(out, self._wire_device(out))
+        if out is None:
+            target = _memory.empty((sum(outs) * per_row,), wire.dtype, wire.device)
+        else:
+            target = _wire.to_bytes(out, self._wire_device(out))
         self._all_to_all(target, [o * per_row for o in outs], wire, [i * per_row for i in ins])
         if out is None:
             return _wire.from_bytes(target, tensor.dtype, (sum(outs), *shape[1:])).to(tensor.device)
@@ -389,10 +392,10 @@ class Group(GroupBase):
             flat = [_wire.to_bytes(t, self._wire_device(t)) for t in tensors]
             inp: Optional[torch.Tensor] = torch.cat(flat)
             device = tensors[src].device
-            out = flat[0].new_empty(my_rows * per_row)
+            out = _memory.empty((my_rows * per_row,), flat[0].dtype, flat[0].device)
         else:
             inp, device = None, self._device
-            out = torch.empty(my_rows * per_row, dtype=torch.uint8, device=self._device)
+            out = _memory.empty((my_rows * per_row,), torch.uint8, self._device)
         counts = [n * per_row for n in rows.splits_a(src)]
         self._scatter(out, inp, counts, src)
         return _wire.from_bytes(out, dtype, out_shape).to(device)
@@ -419,7 +422,7 @@ class Group(GroupBase):
         dims = [rows.count(r) for r in range(self.size)]
         counts = [d * per_row for d in dims]
         wire = _wire.to_bytes(tensor, self._wire_device(tensor))
-        out = wire.new_empty(sum(counts)) if self.rank == dst else None
+        out = _memory.empty((sum(counts),), wire.dtype, wire.device) if self.rank == dst else None
         self._gather(out, counts, wire, dst)
         if out is None:
             return None

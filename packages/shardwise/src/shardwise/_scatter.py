@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 
+from shardwise import _memory
 from shardwise._exchange import box, execute, match_sources, plan, redistribute, row_major_start
 from shardwise._metadata import (
     ShardMetadata,
@@ -307,7 +308,7 @@ def all_gather_tensor(st: ShardedTensor) -> torch.Tensor:
     group = st._process_group
     dtype, device = md.tensor_properties.dtype, _home_device(st)
     sources = match_sources(st._local_shards, md, group.rank)
-    result = torch.empty(md.size, dtype=dtype, device=device)
+    result = _memory.empty(md.size, dtype, device)
     by_rank: list[list[int]] = [[] for _ in range(group.size)]
     for i, entry in enumerate(md.shards_metadata):
         if entry.numel() > 0 and entry.placement is not None:

@@ -22,6 +22,7 @@ from typing import Any, MutableMapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from shardwise import _memory
 from shardwise._group import Group
 from shardwise._records import LaunchInfo
 from shardwise.errors import LaunchError
@@ -109,7 +110,7 @@ class TorchGroup(Group):
             return
         padded_in = inp.new_zeros(most)
         padded_in[: inp.numel()] = inp
-        padded_out = inp.new_empty(most * self.size)
+        padded_out = _memory.empty((most * self.size,), inp.dtype, inp.device)
         dist.all_gather_single(padded_out, padded_in, group=self.pg)
         torch.cat([padded_out[r * most : r * most + c] for r, c in enumerate(counts)], out=out)
 

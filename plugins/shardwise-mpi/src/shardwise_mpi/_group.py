@@ -25,7 +25,7 @@ from typing import Any, Optional, Sequence
 import torch
 from mpi4py import MPI
 
-from shardwise import Group
+from shardwise import Group, _memory
 from shardwise_mpi import _collectives as C
 
 # Ops the direct path takes, by name or torch ReduceOp name; anything else
@@ -143,7 +143,7 @@ class MpiGroup(Group):
             joined = self._consecutive(inputs) if all(_plain(t) for t in inputs) else None
             name = _op_name(op, mine.dtype) if joined is not None else None
             if out is None and name is not None:
-                out = torch.empty_like(mine, memory_format=torch.contiguous_format)
+                out = _memory.empty(mine.shape, mine.dtype, mine.device)
             if (name is not None and joined is not None and out is not None and _plain(out)
                     and out.dtype == mine.dtype and out.shape == mine.shape):
                 return C.reduce_scatter(self.comm, out, joined, [t.numel() for t in inputs], name)
@@ -166,7 +166,7 @@ class MpiGroup(Group):
             elif out is None and output_split_sizes is not None:
                 outs = _splits(output_split_sizes, sum(output_split_sizes), self.size)
             if ins is not None and outs is not None:
-                result = out if out is not None else tensor.new_empty((sum(outs), *trailing))
+                result = out if out is not None else _memory.empty((sum(outs), *trailing), tensor.dtype, tensor.device)
                 per_row = math.prod(trailing)
                 C.alltoallv(self.comm, result, [o * per_row for o in outs], tensor, [i * per_row for i in ins])
                 return result
