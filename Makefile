@@ -18,7 +18,7 @@ DEV_TOOLS := tox ruff mypy pytest pytest-timeout hypothesis numpy tqdm matplotli
 INSTALL_INPUTS := Makefile constraints.txt $(wildcard packages/*/pyproject.toml plugins/*/pyproject.toml)
 STAMP := $(VENV)/.install-stamp
 
-LINT_PATHS := packages plugins integration_tests benchmarks
+LINT_PATHS := packages plugins integration_tests benchmarks examples
 MYPY_PATHS := packages/shardwise/src/shardwise $(wildcard plugins/*/src)
 
 .PHONY: install test lint demo bench bench-mpi bench-embedding clean distclean
@@ -37,6 +37,15 @@ $(STAMP): $(BIN)/python $(INSTALL_INPUTS)
 # makes timeouts likelier. Pass options with TOX_ARGS (TOX_ARGS="-e core").
 test: install
 	$(BIN)/tox $(TOX_ARGS)
+
+# The main job (examples/recsys.py): a recommendation model with a row-wise and
+# a column-wise sharded EmbeddingBag trained on 2 MPI ranks and checked against
+# the same training in one dense process, then resumed from its checkpoint on
+# 3 ranks. Sets everything up itself (the venv, MPICH from PyPI).
+DEMO_CKPT := build/demo/recsys-ckpt
+demo: install
+	$(BIN)/mpiexec -n 2 $(BIN)/python examples/recsys.py --checkpoint $(DEMO_CKPT)
+	$(BIN)/mpiexec -n 3 $(BIN)/python examples/recsys.py --resume $(DEMO_CKPT) --steps 100
 
 # torch 2.13's _shard (gloo) vs shardwise over gloo and over MPI, side by side:
 # scatter, reshard, gather, full_tensor (64 MiB) and the sharded embedding ops,

@@ -43,8 +43,11 @@ copied at least once, so no implementation can beat it.
 Each cell is the slowest rank's median of ``--repeats`` calls after warm-up
 ones; a barrier precedes each call and the order of the columns is shuffled
 every round. Peak RSS is the highest resident set of any rank during one
-extra call of the cell (``VmHWM`` after resetting it); ``extra`` is that peak
-minus the resident set just before the call. Rank 0 writes
+extra call of the cell (``VmHWM`` after resetting it); ``extra`` is the most
+memory the call added: that peak minus the resident set just before, or,
+if larger, the most bytes of shardwise's large buffers in use at once during
+the call minus those before (shardwise reuses freed buffers, which RSS does
+not see; see ``_timing.peak_memory``). Rank 0 writes
 ``bench-<W>ranks.md`` and ``.png`` under ``--out`` (default
 ``benchmarks/results``) and prints the table and the targets.
 """
@@ -303,8 +306,9 @@ def table(rows: list[Row], size: int, bandwidth: float, sizes: Sizes) -> str:
         f"memcpy bandwidth {bandwidth / 1e9:.2f} GB/s (all ranks copying); {library_line()}.",
         "Speedup = torch._shard ms / shardwise ms (> 1: shardwise is faster). Floor = bytes that must reach or "
         "leave the busiest rank / memcpy bandwidth; `x floor` = ms / floor ms. Peak = highest RSS of any rank "
-        "during one call; extra = peak - RSS before the call. Raw mpi4py = the same transfer with preallocated "
-        "buffers and no packing (what MPI itself costs). See benchmarks/bench.py.",
+        "during one call; extra = memory the call added (RSS, or shardwise's buffers in use if more). "
+        "Raw mpi4py = the same transfer with preallocated buffers and no packing (what MPI itself costs). "
+        "See benchmarks/bench.py.",
         "",
         "| workload | torch._shard gloo ms | shardwise gloo ms | speedup | shardwise mpi ms | speedup | floor ms "
         "| mpi x floor | raw mpi4py ms | peak RSS MiB (torch / gloo / mpi) | extra MiB (torch / gloo / mpi) |",

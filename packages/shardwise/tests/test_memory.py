@@ -94,3 +94,49 @@ def test_any_shape_gives_a_zero_tensor_of_that_shape(rows: int, cols: int, dtype
     t = _memory.zeros((rows, cols), dtype)
     assert t.shape == (rows, cols) and t.dtype == dtype and t.is_contiguous()
     assert not t.any()
+
+
+@pytest.mark.skipif(not MAPPED, reason="no MADV_HUGEPAGE on this platform")
+def test_freed_mappings_are_reused_and_zeros_are_zero(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SHARDWISE_BUFFER_CACHE_MB", "64")
+    t = _memory.empty((3 << 20,), torch.float32)  # 12 MiB
+    where = t.data_ptr()
+    t.fill_(7)
+    del t
+    gc.collect()
+    assert _memory.cached_bytes() >= 12 << 20
+    again = _memory.zeros((3 << 20,), torch.float32)  # the same size class: the same mapping, zeroed
+    assert again.data_ptr() == where and not again.any()
+    nearby = _memory.empty(((3 << 20) - 100,), torch.float32)  # rounds up to the same 12 MiB
+    assert nearby.data_ptr() != where  # `again` still holds that one
+    del again, nearby
+    gc.collect()
+
+
+@pytest.mark.skipif(not MAPPED, reason="no MADV_HUGEPAGE on this platform")
+def test_live_and_peak_bytes_follow_the_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SHARDWISE_BUFFER_CACHE_MB", "64")
+    gc.collect()
+    base = _memory.live_bytes()
+    _memory.reset_peak()
+    a = _memory.empty((1 << 20,), torch.float32)  # 4 MiB
+    b = _memory.empty((2 << 20,), torch.float32)  # 8 MiB
+    assert _memory.live_bytes() == base + (12 << 20)
+    del a, b
+    gc.collect()
+    assert _memory.live_bytes() == base and _memory.peak_live_bytes() == base + (12 << 20)
+
+
+@pytest.mark.skipif(not MAPPED, reason="no MADV_HUGEPAGE on this platform")
+def test_the_cache_stays_within_its_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SHARDWISE_BUFFER_CACHE_MB", "0")
+    gc.collect()
+    before = _memory.cached_bytes()
+    taken = [_memory.empty((1 << 20,), torch.float32) for _ in range(3)]  # may reuse cached ones
+    during = _memory.cached_bytes()
+    del taken
+    gc.collect()
+    assert _memory.cached_bytes() == during <= before  # none kept: they went back to the kernel
+    monkeypatch.setenv("SHARDWISE_BUFFER_CACHE_MB", "lots")
+    with pytest.raises(ValueError, match="SHARDWISE_BUFFER_CACHE_MB"):
+        _memory.empty((1 << 20,), torch.float32)

@@ -11,21 +11,33 @@ time (when its THP mode is ``always`` or ``madvise``; under ``never``
 they behave like ordinary memory).
 
 The tensors are ordinary CPU tensors except that their storage cannot be
-resized (``resize_`` to a larger size raises); the mapping is released
-when the last tensor viewing it is freed. ``SHARDWISE_HUGE_PAGES=0``
+resized (``resize_`` to a larger size raises). ``SHARDWISE_HUGE_PAGES=0``
 turns this off (every buffer then comes from torch's allocator).
+
+When the last tensor viewing a mapping is freed, the mapping goes back to a
+small cache instead of to the kernel, and the next buffer of that size
+(rounded up to 2 MiB) reuses it: a fresh mapping is zero-filled by the
+kernel on first touch, which costs about as much as a copy into it, and
+loops (a reshard or a lookup every step) ask for the same sizes again and
+again. The cache holds at most ``SHARDWISE_BUFFER_CACHE_MB`` MiB (default
+1024; 0 turns it off), so memory the program no longer uses stays resident
+up to that much.
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
 import mmap
 import os
+import threading
+import weakref
 from typing import Optional, Sequence, Union
 
 import torch
 
-__all__ = ["HUGE_PAGE_MIN_BYTES", "empty", "empty_like", "huge_pages_enabled", "zeros"]
+__all__ = ["HUGE_PAGE_MIN_BYTES", "cache_limit", "cached_bytes", "empty", "empty_like", "huge_pages_enabled",
+           "live_bytes", "peak_live_bytes", "reset_peak", "zeros"]
 
 #: Smallest buffer worth a mapping of its own: below it glibc's heap reuses freed memory anyway.
 HUGE_PAGE_MIN_BYTES = 4 << 20
@@ -40,11 +52,93 @@ def huge_pages_enabled() -> bool:
     return os.environ.get("SHARDWISE_HUGE_PAGES", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def _mapped(shape: Shape, dtype: torch.dtype) -> torch.Tensor:
-    region = mmap.mmap(-1, _nbytes(shape, dtype), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+#: Mappings are sized in whole huge pages, so that buffers of nearby sizes share cache entries.
+_GRAIN = 2 << 20
+
+_lock = threading.Lock()
+_free: dict[int, list[mmap.mmap]] = {}  # size -> idle mappings of that size
+_cached = 0  # bytes in _free
+_live = 0  # bytes of mappings some tensor still uses
+_peak = 0  # highest _live since reset_peak()
+
+
+def cache_limit() -> int:
+    """Bytes of idle mappings kept for reuse (``SHARDWISE_BUFFER_CACHE_MB``, default 1024 MiB; 0: none)."""
+    raw = os.environ.get("SHARDWISE_BUFFER_CACHE_MB", "1024").strip()
+    try:
+        return max(0, int(float(raw) * (1 << 20)))
+    except ValueError:
+        raise ValueError(
+            f"SHARDWISE_BUFFER_CACHE_MB={raw!r} is not a number of MiB (e.g. 1024, or 0 for none)"
+        ) from None
+
+
+def cached_bytes() -> int:
+    """Bytes of idle mappings in the cache now."""
+    return _cached
+
+
+def live_bytes() -> int:
+    """Bytes of mapped buffers in use now (by any tensor)."""
+    return _live
+
+
+def peak_live_bytes() -> int:
+    """The highest :func:`live_bytes` since :func:`reset_peak` (how much a piece of code allocated here at once)."""
+    return _peak
+
+
+def reset_peak() -> None:
+    """Start a new :func:`peak_live_bytes` window from the current live bytes."""
+    global _peak
+    _peak = _live
+
+
+def _take(size: int) -> tuple[mmap.mmap, bool]:
+    """A mapping of ``size`` bytes and whether it is fresh (zero-filled); a cached one when there is one."""
+    global _cached, _live, _peak
+    cache_limit()  # a bad setting raises here, in the caller, not later in a finalizer
+    with _lock:
+        idle = _free.get(size)
+        region = idle.pop() if idle else None
+        if region is not None:
+            _cached -= size
+        _live += size
+        _peak = max(_peak, _live)
+    if region is not None:
+        return region, False
+    region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     region.madvise(mmap.MADV_HUGEPAGE)
-    # The tensor keeps the mmap object alive; freeing the last view unmaps it.
-    return torch.frombuffer(region, dtype=torch.uint8).view(dtype).view(tuple(shape))
+    return region, True
+
+
+def _give_back(region: mmap.mmap, size: int) -> None:
+    """Called when the last tensor on ``region`` is freed: keep it for reuse, or let it be unmapped."""
+    global _cached, _live
+    try:
+        limit = cache_limit()
+    except ValueError:
+        limit = 0
+    with _lock:
+        _live -= size
+        if _cached + size <= limit:
+            _free.setdefault(size, []).append(region)
+            _cached += size
+    # Otherwise dropping the last reference unmaps it (closing it here could
+    # fail: the buffer export it is being returned from may not be released yet).
+
+
+def _mapped(shape: Shape, dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
+    """A tensor on a (possibly reused) mapping, and whether its memory is known to be zero."""
+    nbytes = _nbytes(shape, dtype)
+    size = -(-nbytes // _GRAIN) * _GRAIN
+    region, fresh = _take(size)
+    # The tensor keeps ``holder`` (an export of the mapping) alive; when the last view
+    # of it is freed, the finalizer hands the mapping back.
+    holder = (ctypes.c_char * size).from_buffer(region)
+    weakref.finalize(holder, _give_back, region, size).atexit = False
+    flat = torch.frombuffer(holder, dtype=torch.uint8)[:nbytes]
+    return flat.view(dtype).view(tuple(shape)), fresh
 
 
 def _nbytes(shape: Shape, dtype: torch.dtype) -> int:
@@ -70,7 +164,7 @@ def empty(shape: Shape, dtype: torch.dtype, device: Optional[torch.device] = Non
         but callers must not rely on that; use :func:`zeros`).
     """
     if _wants_mapping(shape, dtype, device):
-        return _mapped(shape, dtype)
+        return _mapped(shape, dtype)[0]
     return torch.empty(tuple(shape), dtype=dtype, device=device)
 
 
@@ -80,7 +174,8 @@ def empty_like(tensor: torch.Tensor, shape: Optional[Shape] = None) -> torch.Ten
 
 
 def zeros(shape: Shape, dtype: torch.dtype, device: Optional[torch.device] = None) -> torch.Tensor:
-    """A zero-filled contiguous tensor; large CPU ones on huge pages (the kernel zero-fills them)."""
+    """A zero-filled contiguous tensor; large CPU ones on huge pages (the kernel zero-fills fresh ones)."""
     if _wants_mapping(shape, dtype, device):
-        return _mapped(shape, dtype)
+        tensor, fresh = _mapped(shape, dtype)
+        return tensor if fresh else tensor.zero_()
     return torch.zeros(tuple(shape), dtype=dtype, device=device)

@@ -104,18 +104,35 @@ def agree_and_gather(
     signature: Sequence[int],
     sizes: Sequence[int],
     payload: torch.Tensor,
+    narrow: bool = False,
 ) -> tuple[list[list[int]], list[torch.Tensor]]:
     """:func:`agree`, and all-gather a 1-D int64 ``payload`` (any length) in the same collective.
 
     For algorithms whose first step is an all-gather anyway (column-wise):
     one collective both agrees on the call and moves the data.
 
+    Args:
+        narrow: Every payload value fits in int32 (ids of a table of fewer
+            than 2**31 rows, counts): it travels as int32, half the bytes
+            (on gloo, which moves data over TCP even between local ranks, a
+            MiB costs milliseconds). Every rank must pass the same value.
+
     Returns:
-        Every rank's ``sizes`` and every rank's payload, in rank order.
+        Every rank's ``sizes`` and every rank's payload, in rank order (as
+        int64; a narrowed payload may carry one zero of padding at its end,
+        so callers slice it by the sizes).
     """
     head = _header(error, signature, sizes)
-    body = payload if error is None else payload.new_empty(0)
-    pieces = group.all_gather(torch.cat([head, body.to(torch.int64)]))
+    body = payload.to(torch.int64) if error is None else payload.new_empty(0, dtype=torch.int64)
+    if narrow:
+        small = body.to(torch.int32)
+        if small.numel() % 2:
+            small = torch.cat([small, small.new_zeros(1)])
+        body = small.view(torch.int64)  # two int32 values per int64 word
+    pieces = group.all_gather(torch.cat([head, body]))
     rows = [piece[: head.numel()].tolist() for piece in pieces]
     sizes_of_all = _verdict(rows, op, error, len(signature))
-    return sizes_of_all, [piece[head.numel() :] for piece in pieces]
+    bodies = [piece[head.numel() :] for piece in pieces]
+    if narrow:
+        bodies = [b.view(torch.int32).to(torch.int64) for b in bodies]
+    return sizes_of_all, bodies

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from shardwise import Group
 from shardwise_embedding import _colwise, _rowwise
 from shardwise_embedding._agree import agree, agree_and_gather
-from shardwise_embedding._inputs import Bags, Options, bags_of, check_ids, options_of, table_of
+from shardwise_embedding._inputs import Bags, Options, Table, bags_of, check_ids, options_of, table_of
 from shardwise_embedding._take import take_rows
 
 __all__ = ["sharded_embedding", "sharded_embedding_bag"]
@@ -56,6 +56,13 @@ def _weights_flag(weights: Optional[torch.Tensor]) -> int:
     return 2 if weights.requires_grad and torch.is_grad_enabled() else 1
 
 
+def _narrow(table: Table) -> bool:
+    """Whether the column-wise all-gather may send ids and counts as int32 (the same on every rank)."""
+    # Ids are below the row count; counts and bag lengths are below a rank's number of ids,
+    # which no rank can hold 2**31 of (16 GiB of int64 ids).
+    return table.rows < 2**31
+
+
 def sharded_embedding(args: Any, kwargs: dict[str, Any], process_group: Any) -> torch.Tensor:
     """``F.embedding(input, weight, ...)`` with ``weight`` a row- or column-sharded ShardedTensor."""
     a = _embedding_args(*args, **kwargs)
@@ -84,12 +91,12 @@ def sharded_embedding(args: Any, kwargs: dict[str, Any], process_group: Any) -> 
         everyone = agree(group, "embedding", error, signature, sizes)
         with group.unverified():
             return _rowwise.lookup_rowwise(group, table, opts, route, [row[group.rank] for row in everyone], shape)
-    everyone, pieces = agree_and_gather(group, "embedding", error, signature, sizes, payload)
+    everyone, pieces = agree_and_gather(group, "embedding", error, signature, sizes, payload, _narrow(table))
     counts = [row[0] for row in everyone]
     all_ids = torch.cat([piece[:n] for piece, n in zip(pieces, counts, strict=True)])
     all_freq = None
     if opts.scale_grad_by_freq:
-        all_freq = torch.cat([piece[n:] for piece, n in zip(pieces, counts, strict=True)])
+        all_freq = torch.cat([piece[n : 2 * n] for piece, n in zip(pieces, counts, strict=True)])
     with group.unverified():
         rows = _colwise.lookup_colwise(group, table, opts, all_ids, all_freq, counts)
     return take_rows(rows, inverse).view(*shape, table.cols)
@@ -123,10 +130,10 @@ def sharded_embedding_bag(args: Any, kwargs: dict[str, Any], process_group: Any)
         error = exc
     if table.dim == 1:
         payload = torch.cat([bags.ids, bags.lengths]) if error is None else torch.empty(0, dtype=torch.int64)
-        everyone, pieces = agree_and_gather(group, "embedding_bag", error, signature, sizes, payload)
+        everyone, pieces = agree_and_gather(group, "embedding_bag", error, signature, sizes, payload, _narrow(table))
         shapes = [(row[0], row[1]) for row in everyone]
         all_ids = torch.cat([piece[:n] for piece, (n, _) in zip(pieces, shapes, strict=True)])
-        all_lengths = torch.cat([piece[n:] for piece, (n, _) in zip(pieces, shapes, strict=True)])
+        all_lengths = torch.cat([piece[n : n + b] for piece, (n, b) in zip(pieces, shapes, strict=True)])
         with group.unverified():
             return _colwise.bag_colwise(group, table, opts, all_ids, all_lengths, bags.weights, shapes)
     everyone = agree(group, "embedding_bag", error, signature, sizes)
