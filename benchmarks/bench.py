@@ -87,7 +87,7 @@ class Sizes:
     dim: int = 128
     batch: int = 4096
     bag: int = 32
-    repeats: int = 7
+    repeats: int = 9
     warmup: int = 2
 
 
