@@ -254,3 +254,62 @@ def test_load_optimizer_without_optimizer_state(tmp_path: Path) -> None:
     _run(save_rank, 2, path, 1.0)
     for kind, message in _run(no_optimizer_rank, 2, path):
         assert kind == "KeyError" and "no optimizer state under 'optim'" in message
+
+
+class _Touch:
+    """A pickle that, when loaded without restriction, creates the file ``path`` (a stand-in for any code)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> Any:
+        return (Path.touch, (Path(self.path),))
+
+
+def crafted_checkpoint_rank(path: str, marker: str, what: str) -> tuple[str, str]:
+    import pickle
+
+    group = shardwise.get_default_group()
+    w = _sharded(torch.arange(12.0).reshape(4, 3), ChunkShardingSpec(0, [f"rank:{r}/cpu" for r in range(group.size)]))
+    if what == "metadata":
+        ckpt.save({"w": w, "step": 3}, path)
+        group.barrier()
+        if group.rank == 0:
+            Path(path, ".metadata").write_bytes(pickle.dumps(_Touch(marker)))
+    else:  # a value whose pickle runs code when loaded
+        ckpt.save({"w": w, "step": _Touch(marker)}, path)
+    group.barrier()
+    return outcome(lambda: ckpt.load({"w": w, "step": 0}, path))
+
+
+@pytest.mark.parametrize("what", ["metadata", "value"])
+def test_a_checkpoint_that_would_run_code_is_refused_on_every_rank(tmp_path: Path, what: str) -> None:
+    marker = tmp_path / "ran"
+    for kind, message in _run(crafted_checkpoint_rank, 2, str(tmp_path / "ckpt"), str(marker), what):
+        assert kind in ("UnsafeCheckpointError", "PeerError"), (kind, message)
+        if kind == "UnsafeCheckpointError":
+            assert ("pathlib.Path.touch" in message or "'step'" in message) and "run code" in message, message
+    assert not marker.exists()  # nothing was called
+
+
+def crafted_exchange_rank(marker: str) -> tuple[str, str]:
+    import pickle
+
+    from shardwise import _wire
+
+    group = shardwise.get_default_group()
+    if group.rank == 1:
+        # This rank runs other code: it puts a pickle where the JSON belongs.
+        _wire.encode_json = lambda obj: pickle.dumps(_Touch(marker))  # type: ignore[assignment]
+    return outcome(lambda: group.exchange({"rank": group.rank}))
+
+
+def test_exchange_rejects_a_pickle_from_a_peer_unread() -> None:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        marker = Path(tmp, "ran")
+        results = _run(crafted_exchange_rank, 2, str(marker))
+        assert not marker.exists()
+    for kind, message in results:
+        assert kind == "ValueError" and "rank 1 sent" in message and "never unpickles" in message, message

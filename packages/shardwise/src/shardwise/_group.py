@@ -457,8 +457,8 @@ class Group(GroupBase):
         host = out.cpu()
         data = ctypes.string_at(host.data_ptr(), host.numel()) if host.numel() else b""
         results, offset = [], 0
-        for n in counts:
-            results.append(_wire.decode_json(data[offset:offset + n]))
+        for r, n in enumerate(counts):
+            results.append(_wire.decode_json(data[offset:offset + n], f"rank {r}"))
             offset += n
         return results
 

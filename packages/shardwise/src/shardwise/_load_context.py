@@ -64,7 +64,7 @@ def load_with_process_group(process_group: Any) -> Iterator[Any]:
     Example::
 
         with shardwise.load_with_process_group(group):
-            st = torch.load(path)
+            st = torch.load(path, weights_only=True)
     """
     global _current
     from shardwise._runtime import resolve_group

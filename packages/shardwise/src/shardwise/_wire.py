@@ -194,6 +194,23 @@ def encode_json(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
 
 
-def decode_json(data: bytes) -> Any:
-    """Parse bytes produced by :func:`encode_json` on a peer (never unpickles)."""
-    return json.loads(data.decode("utf-8"))
+def decode_json(data: bytes, sender: str = "a peer") -> Any:
+    """Parse bytes produced by :func:`encode_json` on a peer (never unpickles).
+
+    Raises:
+        ValueError: the bytes are not strict JSON (a peer running other
+            code, or a crafted payload); they are not interpreted further.
+    """
+    try:
+        return json.loads(data.decode("utf-8"), parse_constant=_no_constant)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ValueError(
+            f"{sender} sent {len(data)} bytes that are not strict JSON ({type(exc).__name__}: {exc}); shardwise "
+            "exchanges metadata only as JSON and never unpickles a peer's bytes, so the payload was rejected "
+            "unread. Every rank must run the same shardwise version"
+        ) from None
+
+
+def _no_constant(name: str) -> Any:
+    # NaN and Infinity are not strict JSON, and encode_json never writes them.
+    raise ValueError(f"non-standard JSON constant {name}")

@@ -11,6 +11,10 @@ What differs from calling DCP directly:
 
 * Any :class:`~shardwise.Group` coordinates (MPI included), not only a torch
   process group. Ranks exchange their plans as strict JSON, never pickle.
+* A load never runs code from the checkpoint: the ``.metadata`` file is
+  unpickled with only DCP's metadata types allowed, and non-tensor values
+  with ``torch.load(weights_only=True)`` (torch's own reader and planner
+  unpickle both without restriction); see :mod:`shardwise._safe_load`.
 * A save is atomic: every rank writes into a temporary directory beside
   ``path``, which replaces ``path`` only once every rank has written its data
   and rank 0 the metadata. A save that fails or is killed half-way leaves the
@@ -184,16 +188,16 @@ def load(state_dict: dict[str, Any], path: PathLike, *, process_group: Any = Non
         ValueError: a tensor's global size differs from the saved one
             (names the key), or a key is missing from the checkpoint.
     """
-    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+    from shardwise._safe_load import safe_planner, safe_reader
 
     group = resolve_group(process_group)
     source = Path(os.fspath(path)).absolute()
     coordinator = group.rank == 0
-    planner = DefaultLoadPlanner()
+    planner = safe_planner()
     reader: list[Any] = []
 
     def plan() -> Any:
-        reader.append(FileSystemReader(_readable(source)))
+        reader.append(safe_reader(_readable(source)))
         metadata = reader[0].read_metadata()
         planner.set_up_planner(state_dict, metadata, coordinator)
         reader[0].set_up_storage_reader(metadata, coordinator, rank=group.rank, use_collectives=True)
@@ -242,16 +246,16 @@ def load_optimizer(optimizer: Any, path: PathLike, *, key: str = "optim", proces
         ValueError: the checkpoint names parameters this optimizer lacks.
         PeerError: loading failed on another rank.
     """
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from shardwise._optim_checkpoint import apply_loaded, empty_targets
+    from shardwise._safe_load import safe_reader
 
     group = resolve_group(process_group)
     source = Path(os.fspath(path)).absolute()
 
     def targets() -> dict[str, Any]:
-        metadata = FileSystemReader(_readable(source)).read_metadata()
+        metadata = safe_reader(_readable(source)).read_metadata()
         saved: dict[str, dict[str, Any]] = {}
         groups: dict[int, dict[str, Any]] = {}
         for flat, where in (metadata.planner_data or {}).items():

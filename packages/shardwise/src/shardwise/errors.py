@@ -8,6 +8,8 @@ clauses keep working.
 
 from __future__ import annotations
 
+import pickle
+
 __all__ = [
     "BackendNotFoundError",
     "BackendUnavailableError",
@@ -17,6 +19,7 @@ __all__ = [
     "PeerError",
     "PluginError",
     "ShardwiseError",
+    "UnsafeCheckpointError",
 ]
 
 
@@ -60,4 +63,13 @@ class PeerError(ShardwiseError, RuntimeError):
 
     The rank at fault raises the real error (``TypeError``, ``ValueError``);
     every other rank raises this one, naming that rank.
+    """
+
+
+class UnsafeCheckpointError(ShardwiseError, pickle.UnpicklingError):
+    """A checkpoint holds a pickle that names something other than plain data (loading it could run code).
+
+    Raised by ``shardwise.checkpoint.load`` for a ``.metadata`` file that
+    refers to anything but DCP's metadata types, or a saved value that
+    ``torch.load(weights_only=True)`` refuses. Nothing from it was called.
     """
