@@ -152,26 +152,30 @@ def test_fsdp_given_a_tensor_parallel_mesh_keeps_dtensor_state_dicts(tmp_path: P
 
 
 def refusals_rank() -> dict[str, str]:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Partial
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Shard
 
     ext, pg = ShardwiseFSDPExtensions(), torch.distributed.group.WORLD
     found = {}
-    flat = DTensor.from_local(torch.ones(2, 2), init_device_mesh("cpu", (1,)), [Partial()], run_check=False)
-    square = DTensor.from_local(torch.ones(2, 2), init_device_mesh("cpu", (1, 1)), [Partial()] * 2, run_check=False)
-    for name, tensor in {"partial": flat, "2-D mesh": square}.items():
+    flat = DTensor.from_local(torch.ones(2, 2), init_device_mesh("cpu", (2,)), [Partial()], run_check=False)
+    square = DTensor.from_local(torch.ones(2, 2), init_device_mesh("cpu", (1, 2)), [Partial()] * 2, run_check=False)
+    # Ranks listed backwards: DTensor's chunk order there is not the group's rank order.
+    backwards = DTensor.from_local(torch.ones(2, 2), DeviceMesh("cpu", torch.tensor([1, 0])), [Shard(0)],
+                                   run_check=False)
+    for name, tensor in {"partial": flat, "2-D mesh": square, "backwards": backwards}.items():
         try:
-            ext.chunk_tensor(tensor, 0, 1, 0, pg)
+            ext.chunk_tensor(tensor, torch.distributed.get_rank(), 2, 0, pg)
             found[name] = "no error"
         except ValueError as e:
             found[name] = str(e)
     return found
 
 
-def test_chunk_tensor_refuses_partial_and_multi_dim_parameters() -> None:
-    found = run_ranks(refusals_rank, 1, backend="gloo", timeout=120)[0]
-    assert "Partial" in found["partial"] and "redistribute" in found["partial"]
-    assert "2-D mesh" in found["2-D mesh"] and "1-D tensor-parallel mesh" in found["2-D mesh"]
+def test_chunk_tensor_refuses_partial_multi_dim_and_unordered_parameters() -> None:
+    for found in run_ranks(refusals_rank, 2, backend="gloo", timeout=120):
+        assert "Partial" in found["partial"] and "redistribute" in found["partial"]
+        assert "2-D mesh" in found["2-D mesh"] and "1-D tensor-parallel mesh" in found["2-D mesh"]
+        assert "ascending" in found["backwards"], found["backwards"]
 
 
 def test_install_on_wrap_restores_fsdp_on_exit_even_after_an_error() -> None:

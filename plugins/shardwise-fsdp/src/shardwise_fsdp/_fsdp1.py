@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor, DeviceMesh
 from shardwise import ChunkShardingSpec, ShardedTensor, TensorProperties
 from shardwise.sharded_tensor import Shard as LocalShard
 from shardwise.torch_group import wrap_process_group
+from shardwise_fsdp._dtensor import _check_ascending
 
 __all__ = ["ShardwiseFSDPExtensions", "install", "install_on_wrap"]
 
@@ -212,6 +213,8 @@ def _chunk_dtensor_param(
     inner = _chunk_plain(dt.to_local(), rank, world_size, pg, device)
     if isinstance(placement, Replicate):
         return inner
+    # The outer layout numbers TP shards by group rank, DTensor by mesh position: they must agree.
+    _check_ascending(mesh.mesh.cpu(), "chunk_tensor")
     tp = wrap_process_group(mesh.get_group())
     kind = inner.device.type
     spec = ChunkShardingSpec(dim=placement.dim % dt.dim(), placements=[f"rank:{r}/{kind}" for r in range(tp.size)])
