@@ -179,7 +179,7 @@ class Group(GroupBase):
         wire = _wire.to_bytes(tensor, self._wire_device(tensor))
         per_row = tensor.dtype.itemsize * prod(shape[1:])
         counts = [d * per_row for d in dims]
-        out = _memory.empty((sum(counts),), wire.dtype, wire.device)
+        out = _memory.empty_like(wire, (sum(counts),))
         self._all_gather(out, wire, counts)
         return split_out(out, counts, dims, shape, tensor.dtype, tensor.device)
 
@@ -246,7 +246,7 @@ class Group(GroupBase):
         if wire_out is not None and wire_out.dtype == kind:
             buf = wire_out
         else:
-            buf = _memory.empty((counts[self.rank],), inp.dtype, inp.device)
+            buf = _memory.empty_like(inp, (counts[self.rank],))
         self._reduce_scatter(buf, inp, counts, op_name)
         if wire_out is None:
             wire = _wire.wire_dtype(dtype)
@@ -281,7 +281,7 @@ class Group(GroupBase):
         inp = torch.cat(flat)
         per_row = dtype.itemsize * prod(shape[1:])
         out_counts = [d * per_row for d in recv_dims]
-        out = _memory.empty((sum(out_counts),), inp.dtype, inp.device)
+        out = _memory.empty_like(inp, (sum(out_counts),))
         self._all_to_all(out, out_counts, inp, [t.numel() for t in flat])
         return split_out(out, out_counts, recv_dims, shape, dtype, device)
 
@@ -347,7 +347,7 @@ class Group(GroupBase):
         per_row = tensor.dtype.itemsize * prod(shape[1:])
         wire = _wire.to_bytes(tensor, self._wire_device(tensor))
         if out is None:
-            target = _memory.empty((sum(outs) * per_row,), wire.dtype, wire.device)
+            target = _memory.empty_like(wire, (sum(outs) * per_row,))
         else:
             target = _wire.to_bytes(out, self._wire_device(out))
         self._all_to_all(target, [o * per_row for o in outs], wire, [i * per_row for i in ins])
@@ -392,7 +392,7 @@ class Group(GroupBase):
             flat = [_wire.to_bytes(t, self._wire_device(t)) for t in tensors]
             inp: Optional[torch.Tensor] = torch.cat(flat)
             device = tensors[src].device
-            out = _memory.empty((my_rows * per_row,), flat[0].dtype, flat[0].device)
+            out = _memory.empty_like(flat[0], (my_rows * per_row,))
         else:
             inp, device = None, self._device
             out = _memory.empty((my_rows * per_row,), torch.uint8, self._device)
@@ -422,7 +422,7 @@ class Group(GroupBase):
         dims = [rows.count(r) for r in range(self.size)]
         counts = [d * per_row for d in dims]
         wire = _wire.to_bytes(tensor, self._wire_device(tensor))
-        out = _memory.empty((sum(counts),), wire.dtype, wire.device) if self.rank == dst else None
+        out = _memory.empty_like(wire, (sum(counts),)) if self.rank == dst else None
         self._gather(out, counts, wire, dst)
         if out is None:
             return None

@@ -110,7 +110,7 @@ class TorchGroup(Group):
             return
         padded_in = inp.new_zeros(most)
         padded_in[: inp.numel()] = inp
-        padded_out = _memory.empty((most * self.size,), inp.dtype, inp.device)
+        padded_out = _memory.empty_like(inp, (most * self.size,))
         dist.all_gather_single(padded_out, padded_in, group=self.pg)
         torch.cat([padded_out[r * most : r * most + c] for r, c in enumerate(counts)], out=out)
 

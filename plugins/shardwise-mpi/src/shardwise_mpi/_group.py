@@ -143,7 +143,7 @@ class MpiGroup(Group):
             joined = self._consecutive(inputs) if all(_plain(t) for t in inputs) else None
             name = _op_name(op, mine.dtype) if joined is not None else None
             if out is None and name is not None:
-                out = _memory.empty(mine.shape, mine.dtype, mine.device)
+                out = _memory.empty_like(mine)
             if (name is not None and joined is not None and out is not None and _plain(out)
                     and out.dtype == mine.dtype and out.shape == mine.shape):
                 return C.reduce_scatter(self.comm, out, joined, [t.numel() for t in inputs], name)
@@ -166,7 +166,7 @@ class MpiGroup(Group):
             elif out is None and output_split_sizes is not None:
                 outs = _splits(output_split_sizes, sum(output_split_sizes), self.size)
             if ins is not None and outs is not None:
-                result = out if out is not None else _memory.empty((sum(outs), *trailing), tensor.dtype, tensor.device)
+                result = out if out is not None else _memory.empty_like(tensor, (sum(outs), *trailing))
                 per_row = math.prod(trailing)
                 C.alltoallv(self.comm, result, [o * per_row for o in outs], tensor, [i * per_row for i in ins])
                 return result
