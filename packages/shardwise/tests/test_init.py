@@ -158,3 +158,28 @@ def test_init_reuses_torch_when_already_initialised() -> None:
     assert isinstance(group, TorchGroup) and group.pg is dist.group.WORLD
     shardwise.destroy()
     assert dist.is_initialized()  # the user's process group is left alone
+
+
+def test_a_transport_failure_becomes_peer_lost_error_naming_rank_and_collective(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from shardwise.errors import PeerLostError
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    group = shardwise.get_default_group()
+
+    def closed(*args: object, **kwargs: object) -> None:
+        raise dist.DistBackendError("[pair.cc:553] Connection closed by peer [127.0.0.1]:4246")
+
+    monkeypatch.setattr(dist, "all_reduce", closed)
+    with pytest.raises(PeerLostError, match=r"^rank 0 of 1: all_reduce on the gloo backend failed: \[pair.cc:553\] "
+                       r"Connection closed by peer .*A peer has probably died.*SHARDWISE_TIMEOUT") as info:
+        group.all_reduce(torch.ones(3))
+    assert isinstance(info.value.__cause__, dist.DistBackendError)
+    assert isinstance(info.value, RuntimeError)  # existing `except RuntimeError` clauses still catch it
+    # A failure inside the handshake names the collective the caller made, not the handshake's all-gather.
+    monkeypatch.setattr(dist, "all_gather_single", closed)
+    with pytest.raises(PeerLostError, match=r"^rank 0 of 1: broadcast \(agreeing on its arguments\) on the gloo"):
+        group.broadcast(torch.ones(3))
+    monkeypatch.undo()
+    assert group.all_reduce(torch.ones(3)).tolist() == [1.0, 1.0, 1.0]  # the handshake label was reset

@@ -55,6 +55,14 @@ class GroupBase(abc.ABC):
         if verify is None:
             verify = os.environ.get(VERIFY_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
         self.verify = verify
+        # The collective whose handshake is running, so a backend's error
+        # names what the user called rather than the handshake's all-gather.
+        self._agreeing: Optional[str] = None
+
+    def _describe(self, primitive: str) -> str:
+        """What a backend's error message should call the running ``primitive``."""
+        agreeing = self._agreeing
+        return primitive if agreeing is None else f"{agreeing} (agreeing on its arguments)"
 
     # -- identity ------------------------------------------------------------
     @property
@@ -195,7 +203,11 @@ class GroupBase(abc.ABC):
         width = len(row)
         mine = torch.tensor(row, dtype=torch.int64, device=self._device)
         table = torch.empty(width * self.size, dtype=torch.int64, device=self._device)
-        self._all_gather(table, mine, [width] * self.size)
+        self._agreeing = call.op
+        try:
+            self._all_gather(table, mine, [width] * self.size)
+        finally:
+            self._agreeing = None
         rows = Rows(table.view(self.size, width).tolist(), self.size)
         failed = [r for r in range(self.size) if rows.table[r][2] != 0]
         if error is not None:

@@ -17,6 +17,7 @@ __all__ = [
     "LaunchError",
     "OpNotFoundError",
     "PeerError",
+    "PeerLostError",
     "PluginError",
     "ShardwiseError",
     "UnsafeCheckpointError",
@@ -63,6 +64,19 @@ class PeerError(ShardwiseError, RuntimeError):
 
     The rank at fault raises the real error (``TypeError``, ``ValueError``);
     every other rank raises this one, naming that rank.
+    """
+
+
+class PeerLostError(ShardwiseError, RuntimeError):
+    """A collective could not complete: a peer died, stopped calling collectives, or did not answer in time.
+
+    Raised by a group's collectives when the backend reports a closed
+    connection or its timeout (``shardwise.init(timeout=...)``,
+    ``SHARDWISE_TIMEOUT``) expired; the message names this rank, the
+    collective and the backend's own report. The group cannot be used
+    afterwards: end the job and restart it from a checkpoint. (The mpi
+    backend cannot cancel a blocked call; it aborts the job instead, see
+    shardwise-mpi's README.)
     """
 
 

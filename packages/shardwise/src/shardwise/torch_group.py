@@ -13,11 +13,12 @@ others).
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import weakref
 from datetime import timedelta
-from typing import Any, MutableMapping, Optional, Sequence
+from typing import Any, Callable, MutableMapping, Optional, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -25,7 +26,7 @@ import torch.distributed as dist
 from shardwise import _memory
 from shardwise._group import Group
 from shardwise._records import LaunchInfo
-from shardwise.errors import LaunchError
+from shardwise.errors import LaunchError, PeerLostError, ShardwiseError
 
 __all__ = ["TorchGroup", "init_torch_process_group", "wrap_process_group"]
 
@@ -47,6 +48,40 @@ def _device_types(backend: str) -> tuple[str, ...]:
     if ":" in backend:
         return tuple(part.split(":", 1)[0] for part in backend.split(","))
     return {"gloo": ("cpu",), "nccl": ("cuda",)}.get(backend, ("cpu",))
+
+
+_Primitive = TypeVar("_Primitive", bound=Callable[..., Any])
+
+
+def _peer_failures(name: str) -> Callable[[_Primitive], _Primitive]:
+    """Turn the backend's error inside a primitive into :class:`PeerLostError`.
+
+    Arguments were validated (on every rank) before a primitive runs, so a
+    ``RuntimeError`` from torch here is the transport failing: gloo's
+    "Connection closed by peer" or "Timed out waiting ...", NCCL's watchdog.
+    The message says which rank, which collective, and what to look at.
+    """
+
+    def wrap(primitive: _Primitive) -> _Primitive:
+        @functools.wraps(primitive)
+        def run(self: TorchGroup, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return primitive(self, *args, **kwargs)
+            except RuntimeError as exc:
+                if isinstance(exc, ShardwiseError):
+                    raise
+                detail = " ".join(str(exc).split())
+                raise PeerLostError(
+                    f"rank {self.rank} of {self.size}: {self._describe(name)} on the {self.backend} backend "
+                    f"failed: {detail}. "
+                    "A peer has probably died, stopped calling collectives, or not answered within the "
+                    "group's timeout (shardwise.init(timeout=...), SHARDWISE_TIMEOUT); see the other "
+                    "ranks' logs. The group cannot be used any more: end the job and resume from a checkpoint."
+                ) from exc
+
+        return run  # type: ignore[return-value]
+
+    return wrap
 
 
 class TorchGroup(Group):
@@ -91,18 +126,22 @@ class TorchGroup(Group):
             raise TypeError(f"backend {self.backend!r} cannot reduce uint64 tensors; cast to int64 first")
         return _UPCAST.get(dtype, dtype)
 
+    @_peer_failures("barrier")
     def _barrier(self) -> None:
         if self._device.type == "cuda":
             dist.barrier(group=self.pg, device_ids=[self._device.index or 0])
         else:
             dist.barrier(group=self.pg)
 
+    @_peer_failures("broadcast")
     def _broadcast(self, buf: torch.Tensor, src: int) -> None:
         dist.broadcast(buf, group=self.pg, group_src=src)
 
+    @_peer_failures("all_reduce")
     def _all_reduce(self, buf: torch.Tensor, op: str) -> None:
         dist.all_reduce(buf, op=_REDUCE[op], group=self.pg)
 
+    @_peer_failures("all_gather")
     def _all_gather(self, out: torch.Tensor, inp: torch.Tensor, counts: Sequence[int]) -> None:
         most = max(counts)
         if all(c == most for c in counts):
@@ -114,6 +153,7 @@ class TorchGroup(Group):
         dist.all_gather_single(padded_out, padded_in, group=self.pg)
         torch.cat([padded_out[r * most : r * most + c] for r, c in enumerate(counts)], out=out)
 
+    @_peer_failures("reduce_scatter")
     def _reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, counts: Sequence[int], op: str) -> None:
         most = max(counts)
         if all(c == most for c in counts):
@@ -128,6 +168,7 @@ class TorchGroup(Group):
         dist.reduce_scatter_single(chunk, padded, op=_REDUCE[op], group=self.pg)
         out.copy_(chunk[: counts[self.rank]])
 
+    @_peer_failures("all_to_all")
     def _all_to_all(
         self, out: torch.Tensor, out_counts: Sequence[int], inp: torch.Tensor, in_counts: Sequence[int]
     ) -> None:
@@ -135,6 +176,7 @@ class TorchGroup(Group):
             out, inp, output_split_sizes=list(out_counts), input_split_sizes=list(in_counts), group=self.pg
         )
 
+    @_peer_failures("new_group")
     def _new_group(self, ranks: Sequence[int]) -> Optional[Group]:
         if self.rank not in ranks:
             return None

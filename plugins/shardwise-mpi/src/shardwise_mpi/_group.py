@@ -20,13 +20,16 @@ validates it and raises the usual errors; results are identical either way.
 from __future__ import annotations
 
 import math
+from datetime import timedelta
 from typing import Any, Optional, Sequence
 
 import torch
 from mpi4py import MPI
 
 from shardwise import Group, _memory
+from shardwise._runtime import DEFAULT_TIMEOUT
 from shardwise_mpi import _collectives as C
+from shardwise_mpi._watchdog import Watchdog
 
 # Ops the direct path takes, by name or torch ReduceOp name; anything else
 # (bitwise ops, aliases, unknown names) takes the validated path.
@@ -86,6 +89,10 @@ class MpiGroup(Group):
             staged through host memory.
         owns_comm: Free ``comm`` in :meth:`destroy`.
         verify: See :class:`~shardwise.Group`.
+        timeout: How long one collective may block before this rank
+            reports it and aborts the job (MPI cannot cancel a blocked
+            call; see :mod:`shardwise_mpi._watchdog`). Default 5 minutes;
+            None disables it.
     """
 
     def __init__(
@@ -95,6 +102,7 @@ class MpiGroup(Group):
         device: Optional[torch.device] = None,
         owns_comm: bool = True,
         verify: Optional[bool] = None,
+        timeout: Optional[timedelta] = DEFAULT_TIMEOUT,
     ) -> None:
         # _collectives stages CUDA tensors itself (or hands them to a
         # CUDA-aware MPI), so the base class need not stage them.
@@ -109,18 +117,22 @@ class MpiGroup(Group):
         )
         self.comm = comm
         self._owns_comm = owns_comm
+        self._timeout = timeout
+        self._watch = Watchdog(timeout, lambda: f"rank {self.rank} of {self.size}")
 
     # -- direct paths (verify=False, plain tensors); see the module docstring --
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         if self.verify or not _plain(tensor) or type(src) is not int or not 0 <= src < self.size:
             return super().broadcast(tensor, src)
-        return C.bcast(self.comm, tensor, src)
+        with self._watch("broadcast"):
+            return C.bcast(self.comm, tensor, src)
 
     def all_reduce(self, tensor: torch.Tensor, op: Any = "sum") -> torch.Tensor:
         name = None if self.verify or not _plain(tensor) else _op_name(op, tensor.dtype)
         if name is None:
             return super().all_reduce(tensor, op)
-        return C.allreduce(self.comm, tensor, name)
+        with self._watch("all_reduce"):
+            return C.allreduce(self.comm, tensor, name)
 
     def all_gather(self, tensor: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
         if (
@@ -131,7 +143,8 @@ class MpiGroup(Group):
             or tuple(out.shape) != ((self.size * tensor.shape[0], *tensor.shape[1:]) if tensor.dim() else (self.size,))
         ):
             return super().all_gather(tensor, out=out)
-        C.allgatherv(self.comm, out, tensor, [tensor.numel()] * self.size)
+        with self._watch("all_gather"):
+            C.allgatherv(self.comm, out, tensor, [tensor.numel()] * self.size)
         return list(out.unbind(0)) if tensor.dim() == 0 else list(out.chunk(self.size))
 
     def reduce_scatter(
@@ -146,7 +159,8 @@ class MpiGroup(Group):
                 out = _memory.empty_like(mine)
             if (name is not None and joined is not None and out is not None and _plain(out)
                     and out.dtype == mine.dtype and out.shape == mine.shape):
-                return C.reduce_scatter(self.comm, out, joined, [t.numel() for t in inputs], name)
+                with self._watch("reduce_scatter"):
+                    return C.reduce_scatter(self.comm, out, joined, [t.numel() for t in inputs], name)
         return super().reduce_scatter(inputs, op, out=out)
 
     def all_to_all_single(
@@ -168,7 +182,8 @@ class MpiGroup(Group):
             if ins is not None and outs is not None:
                 result = out if out is not None else _memory.empty_like(tensor, (sum(outs), *trailing))
                 per_row = math.prod(trailing)
-                C.alltoallv(self.comm, result, [o * per_row for o in outs], tensor, [i * per_row for i in ins])
+                with self._watch("all_to_all"):
+                    C.alltoallv(self.comm, result, [o * per_row for o in outs], tensor, [i * per_row for i in ins])
                 return result
         return super().all_to_all_single(tensor, output_split_sizes, input_split_sizes, out=out)
 
@@ -177,39 +192,48 @@ class MpiGroup(Group):
         return C.reduction_dtype(dtype)
 
     def _barrier(self) -> None:
-        C.barrier(self.comm)
+        with self._watch("barrier"):
+            C.barrier(self.comm)
 
     def _broadcast(self, buf: torch.Tensor, src: int) -> None:
-        C.bcast(self.comm, buf, src)
+        with self._watch("broadcast"):
+            C.bcast(self.comm, buf, src)
 
     def _all_reduce(self, buf: torch.Tensor, op: str) -> None:
-        C.allreduce(self.comm, buf, op)
+        with self._watch("all_reduce"):
+            C.allreduce(self.comm, buf, op)
 
     def _all_gather(self, out: torch.Tensor, inp: torch.Tensor, counts: Sequence[int]) -> None:
-        C.allgatherv(self.comm, out, inp, counts)
+        with self._watch(self._describe("all_gather")):
+            C.allgatherv(self.comm, out, inp, counts)
 
     def _reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, counts: Sequence[int], op: str) -> None:
-        C.reduce_scatter(self.comm, out, inp, counts, op)
+        with self._watch("reduce_scatter"):
+            C.reduce_scatter(self.comm, out, inp, counts, op)
 
     def _all_to_all(
         self, out: torch.Tensor, out_counts: Sequence[int], inp: torch.Tensor, in_counts: Sequence[int]
     ) -> None:
-        C.alltoallv(self.comm, out, out_counts, inp, in_counts)
+        with self._watch("all_to_all"):
+            C.alltoallv(self.comm, out, out_counts, inp, in_counts)
 
     def _gather(self, out: Optional[torch.Tensor], counts: Sequence[int], inp: torch.Tensor, dst: int) -> None:
-        C.gatherv(self.comm, out, inp, counts, dst)
+        with self._watch("gather"):
+            C.gatherv(self.comm, out, inp, counts, dst)
 
     def _scatter(self, out: torch.Tensor, inp: Optional[torch.Tensor], counts: Sequence[int], src: int) -> None:
-        C.scatterv(self.comm, out, inp, counts, src)
+        with self._watch("scatter"):
+            C.scatterv(self.comm, out, inp, counts, src)
 
     def _new_group(self, ranks: Sequence[int]) -> Optional[Group]:
         # Split is collective over this group, which new_group already is;
         # non-members pass MPI.UNDEFINED and get COMM_NULL back.
         member = self.rank in ranks
-        sub = self.comm.Split(0 if member else MPI.UNDEFINED, self.rank)
+        with self._watch("new_group"):
+            sub = self.comm.Split(0 if member else MPI.UNDEFINED, self.rank)
         if not member:
             return None
-        return MpiGroup(sub, device=self._device, owns_comm=True, verify=self.verify)
+        return MpiGroup(sub, device=self._device, owns_comm=True, verify=self.verify, timeout=self._timeout)
 
     def destroy(self) -> None:
         """Free the communicator (if this group made it); the group is unusable afterwards."""

@@ -84,16 +84,17 @@ def create_group(launch: LaunchInfo, timeout: timedelta) -> Group:
 
     No rendezvous address is needed: the MPI process manager connects the
     ranks. A process started without a launcher is a world of one (MPI
-    singleton init). MPI collectives have no timeout, so ``timeout`` is
-    unused; a rank that raises ends the job instead (see
-    :func:`install_abort_hook`).
+    singleton init). A rank that raises ends the job (see
+    :func:`install_abort_hook`); a collective blocked longer than
+    ``timeout`` (a peer died and the launcher did not end the job) prints
+    which rank and collective and aborts the job (see
+    :class:`~shardwise_mpi._watchdog.Watchdog`).
 
     Raises:
         LaunchError: MPI's world disagrees with what the launcher said
             (for example ``backend="mpi"`` under torchrun, where every
             process is its own MPI world).
     """
-    del timeout
     import mpi4py
 
     from shardwise.errors import LaunchError
@@ -116,7 +117,7 @@ def create_group(launch: LaunchInfo, timeout: timedelta) -> Group:
     from shardwise_mpi._group import MpiGroup
 
     # A duplicate keeps shardwise's messages apart from the user's own MPI calls on COMM_WORLD.
-    return MpiGroup(world.Dup(), owns_comm=True)
+    return MpiGroup(world.Dup(), owns_comm=True, timeout=timeout)
 
 
 @hookimpl

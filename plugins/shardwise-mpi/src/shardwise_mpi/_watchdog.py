@@ -1,0 +1,148 @@
+"""Enforces the group's timeout on blocking MPI calls.
+
+MPI has no timeout and no way to cancel a blocked call: when a peer dies
+and the launcher does not kill the job (``srun`` without
+``--kill-on-bad-exit``, ``mpiexec -disable-auto-cleanup``, a peer that left
+with ``sys.exit``), the survivors would spin in their collective until the
+job's wall-clock limit. A :class:`Watchdog` is armed around every call an
+``MpiGroup`` makes; a daemon thread (started on first use) notices a call
+that has blocked longer than the timeout, prints which rank, which
+collective and how long, and calls ``MPI_Abort`` so the launcher ends the
+whole job with a non-zero status. If even ``MPI_Abort`` does not return
+within :data:`ABORT_GRACE` seconds the process ends itself with
+:data:`EXIT_CODE`.
+
+Arming costs two attribute writes, so the fast paths keep their speed
+(mpi4py releases the GIL inside MPI calls, which lets the thread run).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from datetime import timedelta
+from types import TracebackType
+from typing import Any, Callable, Optional
+
+__all__ = ["ABORT_GRACE", "EXIT_CODE", "Watchdog"]
+
+#: Exit status of a process whose collective timed out (as ``timeout(1)``).
+EXIT_CODE = 124
+#: Seconds ``MPI_Abort`` gets before the process ends itself.
+ABORT_GRACE = 5.0
+
+
+def _abort(code: int) -> None:
+    """``MPI.COMM_WORLD.Abort(code)``, falling back to ``os._exit`` if it does not end the process."""
+    threading.Timer(ABORT_GRACE, os._exit, args=(code,)).start()
+    from mpi4py import MPI
+
+    MPI.COMM_WORLD.Abort(code)
+    os._exit(code)  # pragma: no cover - Abort does not return
+
+
+class Watchdog:
+    """Ends the job when one blocking MPI call outlasts ``timeout``.
+
+    Use it as ``with watchdog("all_reduce"): <blocking MPI call>``. Calls do
+    not nest: one group runs one collective at a time. An error MPI raises
+    inside the block (``mpi4py.MPI.Exception``) leaves it as
+    :class:`shardwise.errors.PeerLostError` naming the rank and collective.
+
+    Args:
+        timeout: How long one call may block; None or non-positive
+            disables the watchdog.
+        where: Describes this process for the message (``"rank 1 of 3"``).
+        on_expiry: What to do after printing the message (default: abort
+            the MPI job with :data:`EXIT_CODE`); tests pass their own.
+    """
+
+    def __init__(
+        self,
+        timeout: Optional[timedelta],
+        where: Callable[[], str],
+        on_expiry: Optional[Callable[[int], None]] = None,
+    ) -> None:
+        seconds = timeout.total_seconds() if timeout is not None else 0.0
+        self.timeout: Optional[float] = seconds if seconds > 0 else None
+        self._where = where
+        self._on_expiry = on_expiry or _abort
+        self._op: Optional[str] = None
+        self._op_next = ""
+        self._since = 0.0
+        self._thread: Optional[threading.Thread] = None
+        self._lock = threading.Lock()
+
+    def __call__(self, op: str) -> Watchdog:
+        self._op_next = op
+        return self
+
+    def __enter__(self) -> None:
+        if self.timeout is None:
+            return
+        if self._thread is None:
+            self._start()
+        self._since = time.monotonic()
+        self._op = self._op_next
+
+    def __exit__(
+        self,
+        kind: Optional[type[BaseException]],
+        value: Optional[BaseException],
+        tb: Optional[TracebackType],
+    ) -> None:
+        op, self._op = self._op_next, None
+        if value is not None and type(value).__module__.startswith("mpi4py"):
+            # MPI reported the failure itself (a peer's connection reset);
+            # arguments were checked before the call, so it is the transport.
+            from shardwise.errors import PeerLostError
+
+            raise PeerLostError(
+                f"{self._where()}: {op} on the mpi backend failed: {value}. A peer has probably died or "
+                "stopped calling collectives; see the other ranks' logs. The group cannot be used any more."
+            ) from value
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._thread is None:
+                thread = threading.Thread(target=self._run, name="shardwise-mpi-watchdog", daemon=True)
+                thread.start()
+                self._thread = thread
+
+    def _run(self) -> None:
+        assert self.timeout is not None
+        # Check often enough that a timeout fires within ~10% of its value.
+        interval = min(1.0, max(0.05, self.timeout / 10))
+        while True:
+            time.sleep(interval)
+            op, since = self._op, self._since
+            if op is None or time.monotonic() - since <= self.timeout:
+                continue
+            if self._op is not op or self._since != since:
+                continue  # the call finished (and maybe another began) while we looked
+            self._expire(op, time.monotonic() - since)
+            return
+
+    def _expire(self, op: str, waited: float) -> None:
+        message = (
+            f"shardwise: {self._where()}: {op} on the mpi backend has waited {waited:.1f} s for its "
+            f"peers, longer than the group's timeout ({self.timeout:g} s, set by shardwise.init(timeout=...) "
+            "or SHARDWISE_TIMEOUT). A peer has died or stopped calling collectives; MPI cannot cancel a "
+            f"blocked call, so this rank aborts the job (exit status {EXIT_CODE}).\n"
+        )
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001, S110 - a broken stream must not stop the abort
+                pass
+        try:
+            os.write(2, message.encode())
+        except OSError:
+            pass
+        self._on_expiry(EXIT_CODE)
+
+    def state(self) -> dict[str, Any]:
+        """What the watchdog is watching now (for tests and debugging)."""
+        return {"op": self._op, "timeout": self.timeout, "running": self._thread is not None}
