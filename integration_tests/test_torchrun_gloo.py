@@ -47,11 +47,57 @@ def _environment(**extra: str) -> dict[str, str]:
     return env
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children, grandchildren, ...), read from ``/proc``; [] where there is none."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after the last ")".
+                ppid = int(stat.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # the process ended meanwhile
+        children.setdefault(ppid, []).append(int(entry))
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _kill_job(pid: int) -> None:
+    """SIGKILL the job started as ``pid`` in a session of its own, and every process it started.
+
+    Killing the session is not enough: torchrun starts each worker in a
+    session of its own, so those workers would outlive it (holding the
+    output pipe open, which keeps ``communicate`` waiting for them).
+    """
+    below = _descendants(pid)  # before the kill: orphans are adopted by init and no longer found
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    for target in below:
+        try:
+            os.kill(target, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
 def _run(cmd: list[str], timeout: float, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    """``subprocess.run(cmd, timeout=timeout)``, but a timeout kills the whole process group.
+    """``subprocess.run(cmd, timeout=timeout)``, but a timeout kills the whole job.
 
     ``subprocess.run`` would kill only torchrun and leave its workers
-    running; here the job gets its own session and all of it is killed.
+    running; here the job gets its own session, and it and every process
+    it started are killed.
     """
     started = time.monotonic()
     with subprocess.Popen(
@@ -66,7 +112,7 @@ def _run(cmd: list[str], timeout: float, env: dict[str, str]) -> subprocess.Comp
         try:
             output, _ = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            _kill_job(proc.pid)
             output, _ = proc.communicate()
             print(output)
             pytest.fail(f"{' '.join(cmd)} did not finish within {timeout:g}s (killed); output:\n{output}")

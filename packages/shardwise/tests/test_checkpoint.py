@@ -114,6 +114,10 @@ def test_a_save_killed_half_way_leaves_the_previous_checkpoint_loadable(tmp_path
     leftovers = [p for p in os.listdir(tmp_path) if p != "ckpt"]
     assert len(leftovers) == 1 and leftovers[0].startswith(".ckpt.saving-")
     assert _run(load_rank, 2, path, 1.0) == [True, True]
+    # The next save that completes clears what the killed one left.
+    _run(save_rank, 2, path, 2.0)
+    assert os.listdir(tmp_path) == ["ckpt"]
+    assert _run(load_rank, 1, path, 2.0) == [True]
 
 
 def test_an_interrupted_replacement_loads_the_old_copy(tmp_path: Path) -> None:
@@ -144,6 +148,21 @@ def test_load_into_another_global_size_names_the_key_on_every_rank(tmp_path: Pat
     for kind, message in _run(wrong_size_rank, 2, path):
         assert kind == "ValueError"
         assert "model.weight" in message and "[9, 4]" in message and "[10, 4]" in message
+
+
+def missing_key_rank(path: str) -> tuple[str, str]:
+    state = _state(shardwise.get_default_group().size, 0, empty=True)
+    state["model"]["scale"] = torch.zeros(2)  # not in the checkpoint
+    return outcome(lambda: ckpt.load(state, path))
+
+
+def test_load_of_a_key_the_checkpoint_lacks_names_it_on_every_rank(tmp_path: Path) -> None:
+    path = str(tmp_path / "ckpt")
+    _run(save_rank, 2, path, 1.0)
+    for kind, message in _run(missing_key_rank, 2, path):
+        # A ValueError as load() documents (DCP raises RuntimeError), listing what the checkpoint holds.
+        assert kind == "ValueError", (kind, message)
+        assert "it has no 'model.scale' (it holds 'model.bias', 'model.weight', 'note', 'step')" in message
 
 
 def test_plans_and_results_travel_as_json() -> None:

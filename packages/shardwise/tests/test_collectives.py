@@ -251,6 +251,7 @@ def bad_inputs() -> dict[str, tuple[str, str]]:
     seen = {
         "dtype": _attempt(lambda: g.all_reduce(torch.ones(2, dtype=torch.float32 if r == 0 else torch.int32))),
         "shape": _attempt(lambda: g.all_reduce(torch.ones(2 + r))),
+        "reduce_op": _attempt(lambda: g.all_reduce(torch.ones(2), op="sum" if r == 0 else "max")),
         "order": _attempt(lambda: g.all_reduce(torch.ones(1)) if r == 0 else g.barrier()),
         "exchange": _attempt(lambda: g.exchange({"bad": object()} if r == 1 else {"ok": 1})),
         "json_key": _attempt(lambda: g.exchange({1: "int key"} if r == 1 else {})),
@@ -280,6 +281,8 @@ def bad_inputs() -> dict[str, tuple[str, str]]:
 EXPECTED_ALL = {
     "dtype": ("CollectiveMismatchError", "ranks disagree on the dtype (rank 0: float32, rank 1: int32"),
     "shape": ("CollectiveMismatchError", "ranks disagree on the number of elements"),
+    # By name: the ops' codes in the handshake (0, 3) mean nothing to the user.
+    "reduce_op": ("CollectiveMismatchError", "all_reduce: ranks disagree on the reduce op (rank 0: sum, rank 1: max"),
     "order": ("CollectiveMismatchError", "ranks called different collectives at the same point (rank 0: all_reduce, rank 1: barrier"),
     "avg_int": ("TypeError", "avg of torch.int64 tensors would truncate"),
     "splits": ("CollectiveMismatchError", "rank 0 expects to receive [2, 0"),

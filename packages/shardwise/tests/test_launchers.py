@@ -92,7 +92,8 @@ def test_priorities_torchrun_over_mpi_over_slurm() -> None:
     ],
 )
 def test_malformed_variables(env: dict[str, str], message: str) -> None:
-    with pytest.raises((LaunchError, ValueError), match=message):
+    # Always LaunchError, as detect() documents, also for values LaunchInfo itself rejects.
+    with pytest.raises(LaunchError, match=message):
         detect(env)
 
 

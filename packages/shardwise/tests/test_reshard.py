@@ -221,6 +221,12 @@ def bad_inputs() -> dict[str, tuple[str, str]]:
         "dst_outside": _outcome(lambda: st.gather(w, None)),
         # rank 1 holds a tensor built with other metadata than its peers'
         "layout_mismatch": _outcome(lambda: make(dense, other if r == 1 else spec).reshard(spec)),
+        # full_tensor derives every peer's part from its own metadata: without agreeing on it, some
+        # ranks failed alone and others returned a tensor assembled from the wrong pieces.
+        "full_tensor_layout_mismatch": _outcome(lambda: make(dense, other if r == 1 else spec).full_tensor()),
+        "full_tensor_size_mismatch": _outcome(
+            lambda: ShardedTensor(spec, 7 + (r == w - 1), 5, dtype=torch.float32).full_tensor()
+        ),
     }
     # The tensor is untouched by the failures and the group is still in step.
     assert st.sharding_spec() == spec
@@ -245,6 +251,12 @@ EXPECTED_ALL = {
     "dst_mismatch": ("ValueError", "ranks disagree on the gather dst: rank 0 passed 0, rank 1 passed 1"),
     "dst_outside": ("ValueError", "dst=3 is not a rank of the group (size 3)"),
     "layout_mismatch": ("ValueError", "ranks disagree on the tensor's layout (digest of its metadata): rank 0 passed"),
+    "full_tensor_layout_mismatch": (
+        "ValueError", "ranks disagree on the tensor's layout (digest of its metadata): rank 0 passed"
+    ),
+    "full_tensor_size_mismatch": (
+        "ValueError", "ranks disagree on the tensor's layout (digest of its metadata): rank 0 passed"
+    ),
 }
 # (culprit ranks, error type, fragment); the other ranks raise PeerError.
 EXPECTED_SOME = {
@@ -262,6 +274,8 @@ def test_bad_input_raises_on_every_rank() -> None:
             assert seen[case][0] == kind and fragment in seen[case][1], (rank, case, seen[case])
         assert "rank 1 passed {'type': 'chunk', 'dim': 1" in seen["spec_mismatch"][1]
         assert "ends at 8 in dim 0, outside the tensor of size [7, 5]" in seen["other_size"][1]
+        own_size = [8 if rank == 2 else 7, 5]
+        assert f"this rank's has size {own_size}" in seen["full_tensor_size_mismatch"][1], seen
         for case, (culprits, kind, fragment) in EXPECTED_SOME.items():
             if rank in culprits:
                 assert seen[case][0] == kind and fragment in seen[case][1], (rank, case, seen[case])

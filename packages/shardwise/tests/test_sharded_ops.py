@@ -437,6 +437,37 @@ def test_sharded_ops(world_size: int) -> None:
     _check_tensor(world_size, results[0][1])
 
 
+def divergent_comparisons() -> dict[str, Any]:
+    """equal/allclose where only the last rank's operand differs or fails; then a collective in step."""
+    group = shardwise.get_default_group()
+    last = group.rank == group.size - 1
+    size = [5, 3]
+    spec = ChunkShardingSpec(0, [f"rank:{r}/cpu" for r in range(group.size)])
+    x = make(torch.ones(size), spec)
+    other = make(torch.ones(size), ChunkShardingSpec(1, [f"rank:{r}/cpu" for r in range(group.size)]))
+    seen: dict[str, Any] = {
+        # The last rank knows "False" without looking at a shard; it must still join the vote.
+        "shape": torch.equal(x, torch.ones(3) if last else torch.ones(size)),
+        "layout": torch.allclose(x, other if last else make(torch.ones(size), spec)),
+        # Fails in the comparison itself on the last rank (a meta tensor has no data to compare with).
+        "meta": _error(lambda: torch.equal(x, torch.ones(size, device="meta" if last else "cpu"))),
+    }
+    seen["after"] = group.all_reduce(torch.ones(1)).item()  # the ranks are still in step
+    return seen
+
+
+def test_a_comparison_that_one_rank_decides_alone_still_answers_on_every_rank() -> None:
+    results = _run(divergent_comparisons, 3)
+    for rank, seen in enumerate(results):
+        assert seen["shape"] is False and seen["layout"] is False, seen
+        assert seen["after"] == 3.0, seen
+        if rank == 2:
+            assert seen["meta"][0] == "NotImplementedError" and "meta" in seen["meta"][1], seen
+        else:
+            assert seen["meta"][0] == "PeerError", seen
+            assert "equal: rank 2 could not compare its shards" in seen["meta"][1], seen
+
+
 def cuda_moves() -> list[str]:
     """to/cuda/cpu move every shard and placement; values and grad flags survive the trip."""
     spec = ChunkShardingSpec(1, ["rank:0/cpu", "rank:0/cpu", "rank:0/cpu"])

@@ -23,7 +23,7 @@ from emb_helpers import OK, Checks, battery_results, chunk_spec, dense_weight, l
 
 import shardwise
 from shardwise.errors import PeerError
-from shardwise.sharded_tensor import ShardMetadata, ShardedTensor
+from shardwise.sharded_tensor import ShardMetadata, ShardedTensor, zeros
 from shardwise.sharding_spec import EnumerableShardingSpec
 
 V, D = 6, 4
@@ -57,6 +57,20 @@ def make_weights() -> Weights:
 
 def _ids(rank: int) -> torch.Tensor:
     return torch.tensor([[0, 5], [3, 2]]) if rank == 0 else torch.tensor([1, 4, 4])
+
+
+class _Explodes(torch.Tensor):
+    """Ids whose inspection fails with an error no argument check expects."""
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor) -> _Explodes:
+        return torch.Tensor._make_subclass(cls, data)
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.Tensor.dim or getattr(func, "__name__", "") in ("dim", "min", "amin", "aminmax"):
+            raise RuntimeError("ids exploded while being checked")
+        return super().__torch_function__(func, types, args, kwargs or {})
 
 
 def _bag(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,6 +146,23 @@ CASES: dict[str, Case] = {
     "emb_float_ids": Case(_emb(lambda r: _ids(r).float() if r == CULPRIT else _ids(r)), "TypeError"),
     "emb_int16_ids": Case(_emb(lambda r: _ids(r).short() if r == CULPRIT else _ids(r)), "TypeError"),
     "emb_float_ids_col": Case(_emb(lambda r: _ids(r).double() if r == CULPRIT else _ids(r), "col"), "TypeError"),
+    # Each rank's weight has another number of rows: the owners they route ids to disagree, so
+    # without the layout check in the signature row 3 came back as zeros, silently.
+    "emb_weight_size_differs": Case(
+        lambda rank, w: F.embedding(torch.tensor([3, 2]), zeros(chunk_spec(0, [0, 1]), V + rank, D)),
+        "CollectiveMismatchError", ("ranks 0 and 1 called with a different weight (global size or sharding)",),
+        culprit=None,
+    ),
+    "bag_weight_size_differs_col": Case(
+        lambda rank, w: F.embedding_bag(_bag(rank)[0], zeros(chunk_spec(1, [0, 1]), V, D + 2 * rank), _bag(rank)[1]),
+        "CollectiveMismatchError", ("different weight (global size or sharding)",), culprit=None,
+    ),
+    # A local failure that is none of the documented argument errors (here torch's own
+    # RuntimeError) still reaches the peers instead of leaving them waiting for the timeout.
+    "emb_unexpected_error_on_one_rank": Case(
+        lambda rank, w: F.embedding(_Explodes(_ids(rank)) if rank == CULPRIT else _ids(rank), w.row),
+        "RuntimeError", ("exploded",),
+    ),
     "emb_sparse": Case(_emb(_ids, sparse=True), "NotImplementedError", ("sparse",), culprit=None),
     "emb_enumerable_spec": Case(_emb(_ids, "enumerable"), "NotImplementedError", UNSUPPORTED_SPEC, culprit=None),
     "emb_chunk_dim_2": Case(_emb(_ids, "dim2"), "NotImplementedError", UNSUPPORTED_SPEC, culprit=None),

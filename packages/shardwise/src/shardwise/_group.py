@@ -507,6 +507,8 @@ class Group(GroupBase):
 
         call, rows = self._handshake(prepare)
         if rows is not None:
-            self._check_same(rows, rows.splits_a, what="members of the new group")
+            # Compare the member lists, not the 0/1 masks that carry them (which read like rank lists).
+            self._check_same(rows, lambda r: [m for m, flag in enumerate(rows.splits_a(r)) if flag],
+                             what="members of the new group")
         members = [r for r, flag in enumerate(call.splits_a) if flag]
         return self._new_group(members)

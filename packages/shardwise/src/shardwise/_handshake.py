@@ -81,8 +81,10 @@ class Rows:
     def root(self, r: int) -> int:
         return self.table[r][4]
 
-    def reduce_op(self, r: int) -> int:
-        return self.table[r][5]
+    def reduce_op(self, r: int) -> str:
+        """Rank r's reduce op by name (``"sum"``), or ``"none"``: error messages show it to users."""
+        code = self.table[r][5]
+        return _wire.REDUCE_OPS[code] if 0 <= code < len(_wire.REDUCE_OPS) else "none"
 
     def count(self, r: int) -> int:
         return self.table[r][6]

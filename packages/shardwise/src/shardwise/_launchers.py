@@ -188,7 +188,12 @@ def detect_launch(launchers: Iterable[Launcher], env: Mapping[str, str]) -> Laun
             malformed variables.
     """
     for launcher in launchers:
-        info = launcher.detect(env)
+        try:
+            info = launcher.detect(env)
+        except ValueError as exc:
+            # LaunchInfo rejects inconsistent values (RANK=5 with WORLD_SIZE=2) with a
+            # ValueError; to callers that is a malformed environment like any other.
+            raise LaunchError(f"{exc} (from the {launcher.name} launcher's environment variables)") from exc
         if info is not None:
             return info
     raise LaunchError("no launcher recognised this environment")

@@ -108,18 +108,38 @@ class Placement:
 
 
 def _as_int_list(values: Iterable[Any], what: str) -> list[int]:
+    if isinstance(values, (str, bytes)):
+        raise TypeError(f"{what} must be a sequence of integers, got {values!r}")
+    try:
+        items = list(values)
+    except TypeError:
+        raise TypeError(f"{what} must be a sequence of integers, got {values!r}") from None
     out = []
-    for v in values:
-        if isinstance(v, bool) or not isinstance(v, int):
+    for v in items:
+        if isinstance(v, bool):
+            # int(False) == False would let it through below.
+            raise TypeError(f"{what} must be integers, got {v!r}")
+        if not isinstance(v, int):
             try:
                 iv = int(v)
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, OverflowError):
+                # OverflowError: int(float("inf")).
                 raise TypeError(f"{what} must be integers, got {v!r}") from None
             if iv != v:
                 raise TypeError(f"{what} must be integers, got {v!r}")
             v = iv
         out.append(int(v))
     return out
+
+
+def _fields(data: Any, keys: Sequence[str], what: str) -> list[Any]:
+    """``data[key]`` for each key, or a ValueError naming what is missing (the dict may come from a peer or a file)."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{what} must be a dict with keys {list(keys)}, got {type(data).__name__}")
+    missing = [k for k in keys if k not in data]
+    if missing:
+        raise ValueError(f"{what} lacks the key(s) {missing}: {data!r:.200}")
+    return [data[k] for k in keys]
 
 
 class ShardMetadata:
@@ -132,6 +152,7 @@ class ShardMetadata:
             for a shard whose placement is not yet known).
 
     Raises:
+        TypeError: offsets or sizes are not sequences of integers.
         ValueError: offsets and sizes differ in length, or any is negative,
             or the placement is malformed.
     """
@@ -184,8 +205,14 @@ class ShardMetadata:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ShardMetadata:
-        """Inverse of :meth:`to_dict`; validates as the constructor does."""
-        return cls(data["offsets"], data["sizes"], data.get("placement"))
+        """Inverse of :meth:`to_dict`; validates as the constructor does.
+
+        Raises:
+            ValueError: ``data`` is not such a dict, or as the constructor.
+            TypeError: as the constructor.
+        """
+        offsets, sizes = _fields(data, ("offsets", "sizes"), "shard metadata")
+        return cls(offsets, sizes, data.get("placement"))
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, ShardMetadata):
@@ -282,18 +309,29 @@ class TensorProperties:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TensorProperties:
-        """Inverse of :meth:`to_dict`."""
-        layout = getattr(torch, str(data["layout"]), None)
+        """Inverse of :meth:`to_dict`.
+
+        Raises:
+            ValueError: ``data`` is not such a dict, names an unknown
+                dtype, layout or memory format, or a flag is not a bool.
+        """
+        keys = ("dtype", "layout", "requires_grad", "memory_format", "pin_memory")
+        dtype, layout_name, requires_grad, memory_format, pin_memory = _fields(data, keys, "tensor properties")
+        layout = getattr(torch, str(layout_name), None)
         if not isinstance(layout, torch.layout):
-            raise ValueError(f"unknown layout {data['layout']!r}")
-        if data["memory_format"] not in _MEMORY_FORMATS:
-            raise ValueError(f"unknown memory_format {data['memory_format']!r}")
+            raise ValueError(f"unknown layout {layout_name!r}")
+        if not isinstance(memory_format, str) or memory_format not in _MEMORY_FORMATS:
+            raise ValueError(f"unknown memory_format {memory_format!r}")
+        for name, flag in (("requires_grad", requires_grad), ("pin_memory", pin_memory)):
+            if not isinstance(flag, bool):
+                # bool() would take "false" for True (and fail on a tensor).
+                raise ValueError(f"tensor properties {name!r} must be true or false, got {flag!r:.60}")
         return cls(
-            dtype=dtype_from_name(data["dtype"]),
+            dtype=dtype_from_name(dtype),
             layout=layout,
-            requires_grad=bool(data["requires_grad"]),
-            memory_format=_MEMORY_FORMATS[data["memory_format"]],
-            pin_memory=bool(data["pin_memory"]),
+            requires_grad=bool(requires_grad),
+            memory_format=_MEMORY_FORMATS[memory_format],
+            pin_memory=bool(pin_memory),
         )
 
     def __getstate__(self) -> dict[str, Any]:
@@ -312,6 +350,11 @@ class ShardedTensorMetadata:
         shards_metadata: One :class:`ShardMetadata` per shard, on any rank.
         size: Size of the whole tensor.
         tensor_properties: dtype, layout, requires_grad, ... of the shards.
+
+    Raises:
+        TypeError: ``size`` is not a sequence of integers.
+        ValueError: ``size`` has a negative entry. (The shards are not
+            checked against the size here; specs and constructors do that.)
     """
 
     shards_metadata: list[ShardMetadata] = field(default_factory=list)
@@ -319,7 +362,10 @@ class ShardedTensorMetadata:
     tensor_properties: TensorProperties = field(default_factory=TensorProperties)
 
     def __post_init__(self) -> None:
-        self.size = torch.Size(_as_int_list(self.size, "size"))
+        size = _as_int_list(self.size, "size")
+        if any(s < 0 for s in size):
+            raise ValueError(f"size must not be negative, got {size}")
+        self.size = torch.Size(size)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe form."""
@@ -331,11 +377,20 @@ class ShardedTensorMetadata:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ShardedTensorMetadata:
-        """Inverse of :meth:`to_dict`."""
+        """Inverse of :meth:`to_dict`.
+
+        Raises:
+            ValueError: ``data`` (or a part of it) is not such a dict, or
+                holds invalid values.
+            TypeError: sizes or offsets that are not integers.
+        """
+        shards, size, props = _fields(data, ("shards", "size", "tensor_properties"), "tensor metadata")
+        if not isinstance(shards, list):
+            raise ValueError(f"tensor metadata 'shards' must be a list, got {type(shards).__name__}")
         return cls(
-            shards_metadata=[ShardMetadata.from_dict(s) for s in data["shards"]],
-            size=torch.Size(data["size"]),
-            tensor_properties=TensorProperties.from_dict(data["tensor_properties"]),
+            shards_metadata=[ShardMetadata.from_dict(s) for s in shards],
+            size=size,  # checked by __post_init__
+            tensor_properties=TensorProperties.from_dict(props),
         )
 
     def __getstate__(self) -> dict[str, Any]:
@@ -355,9 +410,17 @@ def intersect(
     """The intersection of two boxes as ``(offsets, sizes)``, or None if empty.
 
     Boxes with a zero-size dimension never intersect anything.
+
+    Raises:
+        ValueError: the offsets and sizes do not all have the same length.
     """
+    if not len(a_offsets) == len(a_sizes) == len(b_offsets) == len(b_sizes):
+        raise ValueError(
+            f"cannot intersect boxes of different dimensions: offsets {list(a_offsets)} sizes {list(a_sizes)} "
+            f"and offsets {list(b_offsets)} sizes {list(b_sizes)}"
+        )
     offsets, sizes = [], []
-    for ao, asz, bo, bsz in zip(a_offsets, a_sizes, b_offsets, b_sizes, strict=False):
+    for ao, asz, bo, bsz in zip(a_offsets, a_sizes, b_offsets, b_sizes, strict=True):
         lo = max(ao, bo)
         hi = min(ao + asz, bo + bsz)
         if hi <= lo:
@@ -371,8 +434,15 @@ def validate_non_overlapping(shards: Sequence[ShardMetadata]) -> None:
     """Raise if two non-empty shards overlap.
 
     Raises:
-        ValueError: naming the first overlapping pair and their boxes.
+        ValueError: naming the first overlapping pair and their boxes, or
+            two shards with different numbers of dimensions.
     """
+    for i, shard in enumerate(shards):
+        if len(shard.shard_offsets) != len(shards[0].shard_offsets):
+            raise ValueError(
+                f"shards 0 ({shards[0].describe()}) and {i} ({shard.describe()}) have different numbers "
+                "of dimensions"
+            )
     nonempty = [(i, s) for i, s in enumerate(shards) if s.numel() > 0]
     if not nonempty:
         return
@@ -396,12 +466,13 @@ def check_covering(shards: Sequence[ShardMetadata], tensor_size: Sequence[int]) 
     """Raise unless the shards fit in the tensor and (with no overlaps) cover it.
 
     Call after :func:`validate_non_overlapping`: then covering is the same
-    as the shard volumes adding up to the tensor's.
+    as the shard volumes adding up to the tensor's. An empty shard holds no
+    element, so (as for overlaps) where it sits is not checked.
 
     Raises:
-        ValueError: a shard has the wrong number of dimensions or sticks
-            out of the tensor (naming it), or the shards leave elements
-            uncovered.
+        ValueError: a shard has the wrong number of dimensions or a
+            non-empty one sticks out of the tensor (naming it), or the
+            shards leave elements uncovered.
     """
     size = list(tensor_size)
     total = 0
@@ -411,8 +482,10 @@ def check_covering(shards: Sequence[ShardMetadata], tensor_size: Sequence[int]) 
                 f"shard {i} ({shard.describe()}) has {len(shard.shard_offsets)} dimensions, "
                 f"the tensor of size {size} has {len(size)}"
             )
-        for d, (end, limit) in enumerate(zip(shard.ends(), size, strict=False)):
-            if end > limit and shard.shard_sizes[d] > 0:
+        if shard.numel() == 0:
+            continue
+        for d, (end, limit) in enumerate(zip(shard.ends(), size, strict=True)):
+            if end > limit:
                 raise ValueError(
                     f"shard {i} ({shard.describe()}) ends at {end} in dim {d}, "
                     f"outside the tensor of size {size}"

@@ -91,7 +91,7 @@ def _timeout(value: Union[None, float, timedelta], env: Mapping[str, str]) -> ti
     if not isinstance(value, timedelta):
         value = timedelta(seconds=float(value))
     if value.total_seconds() <= 0:
-        raise ValueError(f"timeout must be positive, got {value}")
+        raise ValueError(f"timeout must be positive, got {value.total_seconds():g} s")
     return value
 
 
@@ -126,6 +126,7 @@ def init(
         BackendNotFoundError: the backend is not installed (the message
             says which distribution to install).
         BackendUnavailableError: it is installed but cannot run here.
+        ValueError: ``timeout`` is zero or negative.
     """
     global _default
     env = os.environ if environ is None else environ

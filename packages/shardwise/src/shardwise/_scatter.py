@@ -10,7 +10,8 @@ whole tensor on ``src_rank``" to the spec's layout, ``reshard`` one between
 two layouts, ``gather`` one into "the whole tensor on ``dst``". Every
 element goes straight from the rank that holds it to the rank that needs
 it, once; pieces that stay on a rank never touch the wire. ``full_tensor``
-is one all-gather of each rank's shards.
+is one all-gather of each rank's shards, after a two-int64 all-gather in
+which the ranks agree on the digest of the tensor's metadata.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from shardwise._metadata import (
     dtype_from_name,
     dtype_name,
 )
+from shardwise.errors import PeerError
 from shardwise.sharded_tensor._shard import Shard
 
 if TYPE_CHECKING:
@@ -296,10 +298,55 @@ def _home_device(st: ShardedTensor) -> torch.device:
     return torch.device(st._process_group.device)
 
 
+def _agree_to_gather_all(st: ShardedTensor, group: Group) -> dict[int, torch.Tensor]:
+    """This rank's shards by metadata index, once every rank has checked that all hold the same tensor.
+
+    Every rank derives from its own metadata which bytes each peer sends
+    and where they go, so ranks holding tensors built with different
+    metadata (another size or spec on one rank) would otherwise fail on
+    some ranks only, or silently assemble garbage. One all-gather of a
+    two-int64 row per rank (this rank's status and a digest of its
+    metadata) lets every rank reach the same verdict.
+
+    Raises:
+        ValueError: the ranks' metadata differ (on every rank), or this
+            rank's local shards do not match its metadata (on this rank).
+        PeerError: another rank's local shards do not match its metadata.
+    """
+    md = st._metadata
+    error: Optional[ValueError] = None
+    sources: dict[int, torch.Tensor] = {}
+    try:
+        sources = match_sources(st._local_shards, md, group.rank)
+    except ValueError as exc:
+        error = exc
+    digest = int.from_bytes(bytes.fromhex(layout_digest(md)), "big", signed=True)
+    mine = torch.tensor([int(error is not None), digest], dtype=torch.int64, device=group.device)
+    table = torch.empty(2 * group.size, dtype=torch.int64, device=group.device)
+    group.all_gather(mine, out=table)
+    rows = table.view(group.size, 2).tolist()
+    if error is not None:
+        raise error
+    failed = [r for r, (status, _) in enumerate(rows) if status]
+    if failed:
+        raise PeerError(
+            f"full_tensor: rank(s) {failed} hold local shards that do not match the tensor's metadata, "
+            "so no data was sent; see that rank's traceback for the cause"
+        )
+    check_same(
+        [f"{d & 0xFFFFFFFFFFFFFFFF:016x}" for _, d in rows],
+        "tensor's layout (digest of its metadata)",
+        f"{SAME_TENSOR}; this rank's has size {list(md.size)} and spec {st._sharding_spec!r}",
+    )
+    return sources
+
+
 def all_gather_tensor(st: ShardedTensor) -> torch.Tensor:
     """The whole of ``st`` on every rank (a new tensor on this rank's shard device, not part of autograd).
 
-    One all-gather of each rank's shards: every rank receives every
+    A small all-gather first checks that every rank holds the same tensor
+    (its metadata's digest; ValueError on every rank if not), then one
+    all-gather of each rank's shards: every rank receives every
     element once. When the shards, taken rank by rank, are consecutive
     row-major ranges of the tensor (a dim-0 chunk spec in rank order), the
     gathered buffer is the result and no further copy is made.
@@ -307,7 +354,7 @@ def all_gather_tensor(st: ShardedTensor) -> torch.Tensor:
     md = st._metadata
     group = st._process_group
     dtype, device = md.tensor_properties.dtype, _home_device(st)
-    sources = match_sources(st._local_shards, md, group.rank)
+    sources = _agree_to_gather_all(st, group) if group.size > 1 else match_sources(st._local_shards, md, group.rank)
     result = _memory.empty(md.size, dtype, device)
     by_rank: list[list[int]] = [[] for _ in range(group.size)]
     for i, entry in enumerate(md.shards_metadata):
@@ -316,7 +363,9 @@ def all_gather_tensor(st: ShardedTensor) -> torch.Tensor:
     with torch.no_grad():
         if group.size == 1 or result.numel() == 0:
             for i, t in sources.items():
-                box(result, md.shards_metadata[i].shard_offsets, t.shape).copy_(t)
+                # An empty shard may sit anywhere, even past the end, where narrow would refuse its offsets.
+                if t.numel():
+                    box(result, md.shards_metadata[i].shard_offsets, t.shape).copy_(t)
             return result
         mine = [sources[i] for i in by_rank[group.rank]]
         if len(mine) == 1 and mine[0].is_contiguous() and mine[0].dtype == dtype:

@@ -18,7 +18,8 @@ What differs from calling DCP directly:
 * A save is atomic: every rank writes into a temporary directory beside
   ``path``, which replaces ``path`` only once every rank has written its data
   and rank 0 the metadata. A save that fails or is killed half-way leaves the
-  previous checkpoint at ``path`` as it was.
+  previous checkpoint at ``path`` as it was (its unfinished directory,
+  ``.<name>.saving-<id>``, is removed by the next save that completes).
 * An error on any rank (a bad path, a value that cannot be saved, a tensor
   of another global size at load) raises on every rank instead of leaving
   the others waiting: the rank at fault raises its own error, the others
@@ -90,8 +91,9 @@ def save(state_dict: dict[str, Any], path: PathLike, *, process_group: Any = Non
     atomically when the save is complete.
 
     Args:
-        state_dict: What to save. Plain tensors and values are taken from
-            the lowest rank that has them.
+        state_dict: What to save. Plain tensors and values are written
+            once, by one of the ranks (DCP balances the writes between
+            them), so they should be the same on every rank.
         path: Checkpoint directory (created; an existing one is replaced).
         process_group: A shardwise Group, a torch ProcessGroup or None (the
             default group).
@@ -99,6 +101,8 @@ def save(state_dict: dict[str, Any], path: PathLike, *, process_group: Any = Non
     Raises:
         PeerError: the save failed on another rank (this rank's message
             names it and its error); ``path`` is unchanged.
+        PeerLostError: a rank died or stopped answering during the save
+            (see the group's timeout); ``path`` is unchanged.
         Exception: the error of this rank's own failure; ``path`` is unchanged.
     """
     from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
@@ -149,15 +153,23 @@ def save(state_dict: dict[str, Any], path: PathLike, *, process_group: Any = Non
 
 
 def _replace(staging: Path, target: Path, token: str) -> None:
-    """Put the complete ``staging`` directory at ``target``; the old checkpoint is removed only afterwards."""
+    """Put the complete ``staging`` directory at ``target``; the old checkpoint is removed only afterwards.
+
+    Then removes what earlier saves to ``target`` left when they were killed:
+    their unfinished ``.saving-*`` directories and ``.old-*`` copies (the
+    checkpoint now at ``target`` is newer than any of them).
+    """
     if not target.exists():
         os.replace(staging, target)
-        return
-    old = target.parent / f".{target.name}.old-{token}"
-    os.replace(target, old)
-    # Between these two renames ``target`` is briefly missing; load() then finds the old copy.
-    os.replace(staging, target)
-    shutil.rmtree(old, ignore_errors=True)
+    else:
+        old = target.parent / f".{target.name}.old-{token}"
+        os.replace(target, old)
+        # Between these two renames ``target`` is briefly missing; load() then finds the old copy.
+        os.replace(staging, target)
+        shutil.rmtree(old, ignore_errors=True)
+    for pattern in (f".{target.name}.saving-*", f".{target.name}.old-*"):
+        for leftover in target.parent.glob(pattern):
+            shutil.rmtree(leftover, ignore_errors=True)
 
 
 def _readable(path: Path) -> Path:
@@ -185,8 +197,8 @@ def load(state_dict: dict[str, Any], path: PathLike, *, process_group: Any = Non
     Raises:
         PeerError: loading failed on another rank.
         FileNotFoundError: no checkpoint at ``path``.
-        ValueError: a tensor's global size differs from the saved one
-            (names the key), or a key is missing from the checkpoint.
+        ValueError: a tensor's global size differs from the saved one, or
+            a key is missing from the checkpoint (naming every such key).
     """
     from shardwise._safe_load import safe_planner, safe_reader
 
@@ -200,6 +212,7 @@ def load(state_dict: dict[str, Any], path: PathLike, *, process_group: Any = Non
         reader.append(safe_reader(_readable(source)))
         metadata = reader[0].read_metadata()
         planner.set_up_planner(state_dict, metadata, coordinator)
+        _check_against(planner.state_dict, metadata, source)
         reader[0].set_up_storage_reader(metadata, coordinator, rank=group.rank, use_collectives=True)
         local = reader[0].prepare_local_plan(planner.create_local_plan())
         # The default planner and reader make no global decisions: each rank's plan stands alone.
@@ -211,6 +224,35 @@ def load(state_dict: dict[str, Any], path: PathLike, *, process_group: Any = Non
         reader[0].read_data(planner.finish_plan(central), planner).wait()
 
     _together(group, "reading", read)
+
+
+def _check_against(flat: dict[str, Any], metadata: Any, source: Path) -> None:
+    """Raise unless the checkpoint has every key of ``flat`` (the planner's flattened state dict) at its size.
+
+    DCP's planner finds these problems too, but one at a time and a
+    missing key as a RuntimeError; this names every one, as a ValueError.
+
+    Raises:
+        ValueError: keys the checkpoint lacks (listing what it holds) or
+            holds with another global size (naming both sizes).
+    """
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    saved = metadata.state_dict_metadata
+    problems = []
+    missing = [key for key in flat if key not in saved]
+    if missing:
+        held = sorted(saved)
+        shown = ", ".join(map(repr, held[:20])) + (f", ... ({len(held)} in all)" if len(held) > 20 else "")
+        problems.append(f"it has no {', '.join(map(repr, missing))} (it holds {shown})")
+    for key, value in flat.items():
+        entry = saved.get(key)
+        size = getattr(value, "size", None)
+        if isinstance(entry, TensorStorageMetadata) and callable(size) and list(entry.size) != list(size()):
+            problems.append(f"{key!r} was saved with size {list(entry.size)} but the tensor to load into has size "
+                            f"{list(size())}")
+    if problems:
+        raise ValueError(f"cannot load the checkpoint at {source} into this state_dict: {'; '.join(problems)}")
 
 
 def optimizer_state(optimizer: Any) -> dict[str, Any]:

@@ -27,17 +27,19 @@ __all__ = ["agree", "agree_and_gather"]
 
 _KINDS: tuple[type[Exception], ...] = (BadIds, TypeError, ValueError, NotImplementedError, IndexError)
 _SIGNATURE_NAMES = ("op", "sharding dim", "mode", "per_sample_weights given", "padding_idx", "max_norm", "norm_type",
-                    "scale_grad_by_freq")
+                    "scale_grad_by_freq", "weight (global size or sharding)")
 
 
 def _header(error: Optional[Exception], signature: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
+    # On the CPU whatever device the lookup runs on: the group stages it if it must, and every
+    # rank reads the rows back as Python ints anyway.
     status, bad = 0, 0
     if error is not None:
         status = 1 + next((i for i, kind in enumerate(_KINDS) if isinstance(error, kind)), len(_KINDS))
         bad = error.value if isinstance(error, BadIds) else 0
         # A failed rank's signature and sizes are meaningless; only the row's width matters.
-        return torch.tensor([status, bad] + [0] * (len(signature) + len(sizes)), dtype=torch.int64)
-    return torch.tensor([status, bad, *signature, *sizes], dtype=torch.int64)
+        return torch.tensor([status, bad] + [0] * (len(signature) + len(sizes)), dtype=torch.int64, device="cpu")
+    return torch.tensor([status, bad, *signature, *sizes], dtype=torch.int64, device="cpu")
 
 
 def _verdict(rows: list[list[int]], op: str, error: Optional[Exception], width: int) -> list[list[int]]:
@@ -129,7 +131,8 @@ def agree_and_gather(
         if small.numel() % 2:
             small = torch.cat([small, small.new_zeros(1)])
         body = small.view(torch.int64)  # two int32 values per int64 word
-    pieces = group.all_gather(torch.cat([head, body]))
+    # The payload's device (the ids', a GPU's for a CUDA lookup) carries the header too.
+    pieces = group.all_gather(torch.cat([head.to(body.device), body]))
     rows = [piece[: head.numel()].tolist() for piece in pieces]
     sizes_of_all = _verdict(rows, op, error, len(signature))
     bodies = [piece[head.numel() :] for piece in pieces]

@@ -48,7 +48,7 @@ def renorm_columns(group: Group, table: Table, opts: Options, ids: torch.Tensor)
     rows = torch.unique(ids)
     p = opts.norm_type
     with torch.no_grad():
-        partial = torch.zeros(rows.numel(), dtype=torch.float64)
+        partial = torch.zeros(rows.numel(), dtype=torch.float64, device=rows.device)
         for _, size, shard in table.local:
             if size == 0:
                 continue  # an empty column shard adds nothing to any norm (and amax of nothing is undefined)
@@ -94,7 +94,7 @@ def assemble_columns(group: Group, table: Table, flat: torch.Tensor, sent: list[
     for offset, size, owner in table.shards:
         owned.setdefault(owner, []).append((offset, size))
     recv = [rows * sum(size for _, size in owned.get(r, [])) for r in range(group.size)]
-    box = _memory.empty((sum(recv),), flat.dtype)
+    box = _memory.empty((sum(recv),), flat.dtype, flat.device)
     got = dist_f.all_to_all_single(box, flat, recv, sent, group=group)
     blocks = []
     cursor = 0
@@ -121,7 +121,7 @@ def lookup_colwise(
     scale: Optional[torch.Tensor] = None
     if opts.scale_grad_by_freq and all_freq is not None and all_ids.numel():
         seen, where = torch.unique(all_ids, return_inverse=True)
-        total = torch.zeros(seen.numel(), dtype=torch.int64).index_add_(0, where, all_freq)
+        total = torch.zeros(seen.numel(), dtype=torch.int64, device=seen.device).index_add_(0, where, all_freq)
         scale = 1.0 / total[where].to(table.weight.dtype)
     local_rows = []
     for _, _, shard in table.local:
@@ -156,7 +156,7 @@ def bag_colwise(
     if opts.mode == "mean":
         divisor = all_lengths
         if opts.padding_idx is not None:
-            bag = torch.repeat_interleave(torch.arange(nbags), all_lengths)
+            bag = torch.repeat_interleave(torch.arange(nbags, device=all_lengths.device), all_lengths)
             divisor = torch.bincount(bag[all_ids != opts.padding_idx], minlength=nbags)
         divisor = divisor.clamp(min=1).unsqueeze(1)
     local_rows = []
@@ -165,7 +165,7 @@ def bag_colwise(
             starts = all_lengths.cumsum(0) - all_lengths
             pooled = F.embedding_bag(all_ids, shard, starts, mode="max", padding_idx=opts.padding_idx)
         elif opts.scale_grad_by_freq:
-            bag = torch.repeat_interleave(torch.arange(nbags), all_lengths)
+            bag = torch.repeat_interleave(torch.arange(nbags, device=all_lengths.device), all_lengths)
             pooled = pool_by_frequency(all_ids, shard, bag, nbags, all_weights, opts.padding_idx, None, opts.norm_type)
         else:
             pooled = pool_rows(shard, all_ids, all_lengths, all_weights, opts.padding_idx)

@@ -8,7 +8,8 @@ that every rank raises instead of one raising and the others waiting.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import struct
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import torch
@@ -40,6 +41,9 @@ class Table:
         shards: ``(offset along dim, size along dim, owner rank)`` of every
             shard, sorted by offset.
         local: ``(offset, size, tensor)`` of this rank's shards, by offset.
+        device: Where this rank computes and returns its lookups: its
+            shards' device, or (on a rank without a shard) its ids' device
+            once :meth:`on` has been given them; None before that.
     """
 
     weight: ShardedTensor
@@ -48,6 +52,11 @@ class Table:
     cols: int
     shards: tuple[tuple[int, int, int], ...]
     local: tuple[tuple[int, int, torch.Tensor], ...]
+    device: Optional[torch.device] = None
+
+    def on(self, device: torch.device) -> Table:
+        """This table, computing on ``device`` unless its shards already fix the device."""
+        return self if self.device is not None else replace(self, device=device)
 
 
 @dataclass(frozen=True)
@@ -85,11 +94,13 @@ def zeros_in_graph(table: Table, rows: int, cols: Optional[int] = None) -> torch
     part in the backward collectives its peers will enter (else they hang).
     """
     grad = table.weight.requires_grad and torch.is_grad_enabled()
-    return torch.zeros((rows, table.cols if cols is None else cols), dtype=table.weight.dtype, requires_grad=grad)
+    shape = (rows, table.cols if cols is None else cols)
+    return torch.zeros(shape, dtype=table.weight.dtype, device=table.device, requires_grad=grad)
 
 
 def _bits(value: float) -> int:
-    return int.from_bytes(torch.tensor(float(value), dtype=torch.float64).numpy().tobytes(), "little", signed=True)
+    """The float64 bit pattern of ``value`` as a signed integer (so options travel in an int64 row exactly)."""
+    return int.from_bytes(struct.pack("<d", float(value)), "little", signed=True)
 
 
 def table_of(weight: Any, op: str) -> Table:
@@ -122,7 +133,9 @@ def table_of(weight: Any, op: str) -> Table:
         key=lambda item: item[0],
     )
     rows, cols = weight.size()
-    return Table(weight, dim, int(rows), int(cols), tuple(shards), tuple(local))
+    # Lookups run where the shards are (a rank without one follows its ids, see Table.on).
+    device = local[0][2].device if local else None
+    return Table(weight, dim, int(rows), int(cols), tuple(shards), tuple(local), device)
 
 
 def options_of(
@@ -166,7 +179,10 @@ def options_of(
 
 
 def check_ids(ids: Any, table: Table, op: str, name: str = "input") -> torch.Tensor:
-    """``ids`` as int64, after checking type and range.
+    """``ids`` as flat int64 on ``table.device`` (or their own device), after checking type and range.
+
+    Ids on another device than the shards are moved to the shards' device,
+    where every step of the lookup runs (a CUDA weight with CPU ids, say).
 
     Raises:
         TypeError: not an integer tensor.
@@ -176,9 +192,11 @@ def check_ids(ids: Any, table: Table, op: str, name: str = "input") -> torch.Ten
         raise TypeError(f"{op}: {name} must be a torch.Tensor of ids, got {type(ids).__name__}")
     if ids.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"{op}: {name} must hold int64 or int32 ids, got {ids.dtype}")
-    flat = ids.reshape(-1).to(torch.int64)
+    device = table.device if table.device is not None else ids.device
+    flat = ids.reshape(-1).to(device=device, dtype=torch.int64)
     if flat.numel():
-        low, high = int(flat.min()), int(flat.max())
+        # One read of both bounds: on a GPU every read back is a synchronisation.
+        low, high = torch.stack(torch.aminmax(flat)).tolist()
         bad = low if low < 0 else high if high >= table.rows else None
         if bad is not None:
             raise BadIds(
@@ -210,7 +228,7 @@ class Bags:
 
     def bag_of_each_id(self) -> torch.Tensor:
         """Bag index of each entry of ``ids``."""
-        return torch.repeat_interleave(torch.arange(self.count), self.lengths)
+        return torch.repeat_interleave(torch.arange(self.count, device=self.lengths.device), self.lengths)
 
 
 def bags_of(
@@ -246,18 +264,19 @@ def bags_of(
             raise TypeError(
                 f"{op}: per_sample_weights is {per_sample_weights.dtype} but the weight is {table.weight.dtype}"
             )
+        per_sample_weights = per_sample_weights.to(flat.device)
     if ids.dim() == 2:
         if offsets is not None:
             raise ValueError(f"{op}: offsets must be None for 2-D input (each row of the input is one bag)")
         count, length = ids.shape
-        lengths = torch.full((count,), length, dtype=torch.int64)
+        lengths = torch.full((count,), length, dtype=torch.int64, device=flat.device)
         weights = None if per_sample_weights is None else per_sample_weights.reshape(-1)
         return Bags(flat, lengths, weights)
     if not isinstance(offsets, torch.Tensor) or offsets.dim() != 1:
         raise ValueError(f"{op}: 1-D input needs offsets, a 1-D tensor of bag starts; got {offsets!r:.60}")
     if offsets.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"{op}: offsets must be int64 or int32, got {offsets.dtype}")
-    starts = offsets.to(torch.int64)
+    starts = offsets.to(device=flat.device, dtype=torch.int64)
     n = flat.numel()
     if starts.numel() and int(starts[0]) != 0:
         raise ValueError(f"{op}: offsets[0] must be 0 (the first bag starts at the first id), got {int(starts[0])}")
@@ -270,7 +289,10 @@ def bags_of(
             raise ValueError(f"{op}: include_last_offset=True needs at least one offset")
         bounds = starts
     else:
-        bounds = torch.cat([starts, torch.tensor([n], dtype=torch.int64)])
-    end = int(bounds[-1])
+        bounds = torch.cat([starts, torch.tensor([n], dtype=torch.int64, device=flat.device)])
+    # Without a bag (no offsets, or include_last_offset with one) no id belongs to one:
+    # ids left in would be pooled into no bag (a RuntimeError row-wise, a crash of
+    # torch's max kernel). They are still range-checked above, as documented.
+    end = int(bounds[-1]) if bounds.numel() > 1 else 0
     weights = None if per_sample_weights is None else per_sample_weights[:end]
     return Bags(flat[:end], bounds[1:] - bounds[:-1], weights)

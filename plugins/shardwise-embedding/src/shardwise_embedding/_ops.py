@@ -7,10 +7,16 @@ reported to the peers in the first collective (``_agree``), so every rank
 raises; checks of the weight itself are the same on every rank and raise
 at once. After that agreement every size is known on every rank, so the
 op's own collectives run without the group's handshake (``unverified``).
+
+A rank that is the whole job (world size 1) and holds the whole weight in
+one tensor has no peer to route ids to or agree with: after the same
+argument checks it runs the dense computation on that tensor, so sharding
+costs nothing there (``_alone``).
 """
 
 from __future__ import annotations
 
+import zlib
 from typing import Any, Optional
 
 import torch
@@ -25,7 +31,16 @@ from shardwise_embedding._take import take_rows
 __all__ = ["sharded_embedding", "sharded_embedding_bag"]
 
 _EMBEDDING, _EMBEDDING_BAG = 0, 1
-_ERRORS = (TypeError, ValueError, IndexError, NotImplementedError)
+
+
+def _layout(table: Table) -> int:
+    """A code for the weight's global size and sharding, part of the signature every rank must agree on.
+
+    Ranks whose weights differ (another size, another cut) would each route
+    ids to the owner *they* believe in, and an owner that disagrees answers
+    with rows that are not the ones asked for: a wrong result, no error.
+    """
+    return zlib.crc32(repr((table.dim, table.rows, table.cols, table.shards)).encode())
 
 
 def _embedding_args(
@@ -56,6 +71,12 @@ def _weights_flag(weights: Optional[torch.Tensor]) -> int:
     return 2 if weights.requires_grad and torch.is_grad_enabled() else 1
 
 
+def _alone(group: Group, table: Table) -> bool:
+    """Whether this rank is the whole job and holds the whole weight as one local tensor."""
+    # At world size 1 every shard is local; the shards cover the weight, so one shard is all of it.
+    return group.size == 1 and len(table.local) == 1
+
+
 def _narrow(table: Table) -> bool:
     """Whether the column-wise all-gather may send ids and counts as int32 (the same on every rank)."""
     # Ids are below the row count; counts and bag lengths are below a rank's number of ids,
@@ -68,15 +89,18 @@ def sharded_embedding(args: Any, kwargs: dict[str, Any], process_group: Any) -> 
     a = _embedding_args(*args, **kwargs)
     table = table_of(a["weight"], "embedding")
     group = _group_of(a["weight"], process_group)
+    if _alone(group, table):
+        return _embedding_alone(a, table)
     error: Optional[Exception] = None
     sizes: list[int] = [0] * group.size if table.dim == 0 else [0]
-    signature = [_EMBEDDING, table.dim] + [0] * 6
-    payload = torch.empty(0, dtype=torch.int64)
+    signature = [_EMBEDDING, table.dim] + [0] * 7
+    payload = torch.empty(0, dtype=torch.int64, device="cpu")
     try:
         opts = options_of(table, "embedding", a["padding_idx"], a["max_norm"], a["norm_type"],
                           a["scale_grad_by_freq"], a["sparse"])
-        signature = opts.signature(_EMBEDDING, table.dim, 0)
+        signature = [*opts.signature(_EMBEDDING, table.dim, 0), _layout(table)]
         ids = check_ids(a["input"], table, "embedding")
+        table = table.on(ids.device)
         shape = tuple(a["input"].shape)
         if table.dim == 0:
             route = _rowwise.RowRoute(table, ids, group.size)
@@ -85,7 +109,7 @@ def sharded_embedding(args: Any, kwargs: dict[str, Any], process_group: Any) -> 
             uniq, inverse, freq = _rowwise.distinct(ids, table.rows)
             sizes = [uniq.numel()]
             payload = torch.cat([uniq, freq]) if opts.scale_grad_by_freq else uniq
-    except _ERRORS as exc:
+    except Exception as exc:  # noqa: BLE001 - any local failure is reported to the peers, then re-raised here
         error = exc
     if table.dim == 0:
         everyone = agree(group, "embedding", error, signature, sizes)
@@ -102,21 +126,53 @@ def sharded_embedding(args: Any, kwargs: dict[str, Any], process_group: Any) -> 
     return take_rows(rows, inverse).view(*shape, table.cols)
 
 
+def _embedding_alone(a: dict[str, Any], table: Table) -> torch.Tensor:
+    """``F.embedding`` at world size 1: the sharded op's checks, then the lookup in the one local tensor."""
+    opts = options_of(table, "embedding", a["padding_idx"], a["max_norm"], a["norm_type"],
+                      a["scale_grad_by_freq"], a["sparse"])
+    ids = check_ids(a["input"], table, "embedding")
+    whole = table.local[0][2]
+    if opts.scale_grad_by_freq:
+        rows = F.embedding(ids, whole, opts.padding_idx, opts.max_norm, opts.norm_type, True)
+    else:
+        rows = take_rows(whole, ids, opts.padding_idx, opts.max_norm, opts.norm_type)
+    return rows.view(*a["input"].shape, table.cols)
+
+
+def _embedding_bag_alone(a: dict[str, Any], table: Table, opts: Options, device: torch.device) -> torch.Tensor:
+    """``F.embedding_bag`` at world size 1 (arguments already checked): the dense op on the one local tensor."""
+    offsets, weights = a["offsets"], a["per_sample_weights"]
+    return F.embedding_bag(
+        a["input"].to(device), table.local[0][2], None if offsets is None else offsets.to(device),
+        opts.max_norm, opts.norm_type, False, opts.mode, False, None if weights is None else weights.to(device),
+        bool(a["include_last_offset"]), opts.padding_idx,
+    )
+
+
 def sharded_embedding_bag(args: Any, kwargs: dict[str, Any], process_group: Any) -> torch.Tensor:
     """``F.embedding_bag(input, weight, ...)`` with ``weight`` a row- or column-sharded ShardedTensor."""
     a = _embedding_bag_args(*args, **kwargs)
     table = table_of(a["weight"], "embedding_bag")
     group = _group_of(a["weight"], process_group)
+    if _alone(group, table):
+        opts = options_of(table, "embedding_bag", a["padding_idx"], a["max_norm"], a["norm_type"],
+                          a["scale_grad_by_freq"], a["sparse"], a["mode"])
+        bags = bags_of(table, a["input"], a["offsets"], a["per_sample_weights"], bool(a["include_last_offset"]),
+                       opts.mode)
+        if not opts.scale_grad_by_freq:
+            return _embedding_bag_alone(a, table, opts, bags.ids.device)
+        # The dense op scales gradients by wrong counts (see _grad.pool_by_frequency): take the general path.
     error: Optional[Exception] = None
     pooled = table.dim == 0 and a["mode"] in ("sum", "mean")
     sizes: list[int] = [0] * (group.size + 1) if table.dim == 0 else [0, 0]
-    signature = [_EMBEDDING_BAG, table.dim] + [0] * 6
+    signature = [_EMBEDDING_BAG, table.dim] + [0] * 7
     try:
         opts = options_of(table, "embedding_bag", a["padding_idx"], a["max_norm"], a["norm_type"],
                           a["scale_grad_by_freq"], a["sparse"], a["mode"])
-        signature = opts.signature(_EMBEDDING_BAG, table.dim, _weights_flag(a["per_sample_weights"]))
+        signature = [*opts.signature(_EMBEDDING_BAG, table.dim, _weights_flag(a["per_sample_weights"])), _layout(table)]
         bags = bags_of(table, a["input"], a["offsets"], a["per_sample_weights"], bool(a["include_last_offset"]),
                        opts.mode)
+        table = table.on(bags.ids.device)
         if pooled:
             bags, divisor = _drop_padding(bags, opts)
             bag_route = _rowwise.BagRoute(table, bags, group.size)
@@ -126,10 +182,13 @@ def sharded_embedding_bag(args: Any, kwargs: dict[str, Any], process_group: Any)
             sizes = [*route.send_counts, bags.count]
         else:
             sizes = [bags.ids.numel(), bags.count]
-    except _ERRORS as exc:
+    except Exception as exc:  # noqa: BLE001 - any local failure is reported to the peers, then re-raised here
         error = exc
     if table.dim == 1:
-        payload = torch.cat([bags.ids, bags.lengths]) if error is None else torch.empty(0, dtype=torch.int64)
+        if error is None:
+            payload = torch.cat([bags.ids, bags.lengths])
+        else:
+            payload = torch.empty(0, dtype=torch.int64, device="cpu")
         everyone, pieces = agree_and_gather(group, "embedding_bag", error, signature, sizes, payload, _narrow(table))
         shapes = [(row[0], row[1]) for row in everyone]
         all_ids = torch.cat([piece[:n] for piece, (n, _) in zip(pieces, shapes, strict=True)])

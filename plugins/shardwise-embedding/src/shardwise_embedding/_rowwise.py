@@ -33,11 +33,11 @@ def _owner_of_each(table: Table, ids: torch.Tensor) -> torch.Tensor:
     """The rank owning the row of each id."""
     filled = [s for s in table.shards if s[1] > 0]
     chunk = filled[0][1] if filled else 0
-    owners = torch.tensor([s[2] for s in filled] or [0], dtype=torch.int64)
+    owners = torch.tensor([s[2] for s in filled] or [0], dtype=torch.int64, device=ids.device)
     if chunk and all(offset == i * chunk for i, (offset, _, _) in enumerate(filled)):
         # ChunkShardingSpec's usual layout (equal chunks, the last one shorter): a division finds the chunk.
         return owners[torch.div(ids, chunk, rounding_mode="floor")]
-    starts = torch.tensor([s[0] for s in filled] or [0], dtype=torch.int64)
+    starts = torch.tensor([s[0] for s in filled] or [0], dtype=torch.int64, device=ids.device)
     return owners[torch.searchsorted(starts, ids, right=True) - 1]
 
 
@@ -70,7 +70,7 @@ def distinct(ids: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor, 
     if rows > 4 * ids.numel() + 1024:
         uniq, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
         return uniq, inverse, counts
-    present = torch.zeros(rows, dtype=torch.bool)
+    present = torch.zeros(rows, dtype=torch.bool, device=ids.device)
     present[ids] = True
     uniq = present.nonzero().squeeze(1)
     inverse = (present.cumsum(0) - 1)[ids]
@@ -96,7 +96,7 @@ class RowRoute:
         else:
             self.send, self.freq = uniq[order], counts[order]
             back = torch.empty_like(order)
-            back[order] = torch.arange(order.numel())
+            back[order] = torch.arange(order.numel(), device=order.device)
             self.index = back[inverse]
 
 
@@ -135,9 +135,9 @@ def route_rows(group: Group, table: Table, opts: Options, route: RowRoute, recv_
     if opts.scale_grad_by_freq and ids.numel():
         # The owner sees every rank's count of its ids: scale by the global frequency, as one dense batch would.
         seen, where = torch.unique(ids, return_inverse=True)
-        total = torch.zeros(seen.numel(), dtype=torch.int64).index_add_(0, where, freq)
+        total = torch.zeros(seen.numel(), dtype=torch.int64, device=ids.device).index_add_(0, where, freq)
         rows = scale_grad(rows, 1.0 / total[where].to(rows.dtype))
-    out = _memory.empty((len(route.send), table.cols), rows.dtype)
+    out = _memory.empty((len(route.send), table.cols), rows.dtype, rows.device)
     return dist_f.all_to_all_single(out, rows, route.send_counts, recv_counts, group=group)
 
 
@@ -210,7 +210,7 @@ def bag_rowwise_pooled(
         if len(table.local) > 1 or opts.scale_grad_by_freq:
             # Per-id bag numbers: to keep this shard's ids only, or to pool by frequency.
             if global_bag is None:
-                global_bag = torch.repeat_interleave(torch.arange(total_bags), lengths)
+                global_bag = torch.repeat_interleave(torch.arange(total_bags, device=lengths.device), lengths)
             chosen = global_bag
             inside = (local >= 0) & (local < size)
             if not bool(inside.all()):

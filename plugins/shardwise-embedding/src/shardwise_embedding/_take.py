@@ -93,7 +93,12 @@ def _bag_table_grad(
     scale = None if weights is None else weights.index_select(0, order)
     per_row = torch.bincount(order_ids, minlength=rows)
     ends = per_row.cumsum(0)
-    step = max(256, _CHUNK_BYTES // max(1, cols * grad.element_size()))
+    if grad.device.type == "cpu":
+        step = max(256, _CHUNK_BYTES // max(1, cols * grad.element_size()))
+    else:
+        # Cache-sized pieces help a CPU; a GPU pools the whole table in one launch (each piece
+        # would cost two reads back, i.e. two synchronisations).
+        step = max(1, rows)
     for first in range(0, rows, step):
         last = min(first + step, rows)
         lo = int(ends[first - 1]) if first else 0
@@ -120,7 +125,7 @@ class _PoolRows(Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], None, None, None, None]:
         ids, lengths, weights = ctx.saved_tensors
-        bag = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+        bag = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
         if ctx.padding_idx is not None:
             keep = ids != ctx.padding_idx
             ids, bag = ids[keep], bag[keep]

@@ -233,7 +233,9 @@ class ShardedTensor(torch.Tensor):
                 f"rank {group.rank} has no local shard for {[md.describe() for md in unmatched]} "
                 "listed in the global metadata"
             )
-        spec = sharding_spec if sharding_spec is not None else infer_sharding_spec(shards_md)
+        spec = sharding_spec
+        if spec is None:
+            spec = infer_sharding_spec(shards_md, sharded_tensor_metadata.size)
         return cls._create(spec, sharded_tensor_metadata, list(local_shards), group)
 
     @classmethod
@@ -386,6 +388,10 @@ class ShardedTensor(torch.Tensor):
         A local shard that is itself a ShardedTensor (nested layouts, such as
         FSDP chunks inside a tensor-parallel shard) is first gathered over
         its own group, so every rank of that group takes part.
+
+        Raises:
+            ValueError: the ranks hold tensors built with different metadata
+                (another size or spec on some rank); raised on every rank.
         """
         from shardwise._scatter import all_gather_tensor
 

@@ -39,8 +39,9 @@ def empty(
         init_rrefs: Must be False.
 
     Raises:
-        ValueError: the spec cannot shard that size, or places a shard on a
-            rank outside the group.
+        TypeError: ``size`` is not a sequence of ints.
+        ValueError: ``size`` is negative, the spec cannot shard that size,
+            or it places a shard on a rank outside the group.
     """
     return ShardedTensor(
         sharding_spec,

@@ -128,7 +128,7 @@ def init_from_local_shards(
     validate_non_overlapping(shards_md)
     check_covering(shards_md, size)
     metadata = ShardedTensorMetadata(shards_md, torch.Size(size), props)
-    spec = infer_sharding_spec(shards_md)
+    spec = infer_sharding_spec(shards_md, size)
     mine = [s for s in shards_md if s.placement is not None and s.placement.rank() == group.rank]
     # Reuse the global metadata objects so local shards and metadata agree by identity too.
     local = [Shard(shard.tensor, md) for shard, md in zip(local_shards, mine, strict=False)]

@@ -14,6 +14,8 @@ from shardwise._metadata import (
     ShardMetadata,
     ShardedTensorMetadata,
     TensorProperties,
+    _as_int_list,
+    _fields,
     check_covering,
     validate_non_overlapping,
 )
@@ -44,6 +46,9 @@ class DevicePlacementSpec(PlacementSpec):
 
     Args:
         device: ``rank:R/DEVICE`` string or :class:`Placement`.
+
+    Raises:
+        ValueError: the placement is malformed.
     """
 
     device: Placement
@@ -67,7 +72,9 @@ class ShardingSpec(ABC):
         """The metadata of a tensor of ``tensor_sizes`` sharded by this spec.
 
         Raises:
-            ValueError: the spec cannot shard a tensor of that size.
+            TypeError: ``tensor_sizes`` is not a sequence of integers.
+            ValueError: a size is negative, or the spec cannot shard a
+                tensor of that size.
         """
 
     def shard(self, tensor: torch.Tensor, src_rank: int = 0, process_group: Any = None) -> ShardedTensor:
@@ -99,11 +106,28 @@ def chunk_sizes(dim_size: int, chunks: int) -> list[int]:
 
     Trailing pieces may be empty: ``chunk_sizes(10, 4) == [3, 3, 3, 1]``,
     ``chunk_sizes(3, 4) == [1, 1, 1, 0]``, ``chunk_sizes(5, 4) == [2, 2, 1, 0]``.
+
+    Raises:
+        TypeError: either argument is not an int.
+        ValueError: ``dim_size`` is negative or ``chunks`` is not positive.
     """
+    for name, value in (("dim_size", dim_size), ("chunks", chunks)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {value!r}")
+    if dim_size < 0:
+        raise ValueError(f"dim_size must not be negative, got {dim_size}")
     if chunks <= 0:
         raise ValueError(f"chunks must be positive, got {chunks}")
     split = math.ceil(dim_size / chunks) if dim_size else 0
     return [max(min(dim_size, split * (i + 1)) - split * i, 0) for i in range(chunks)]
+
+
+def _tensor_sizes(tensor_sizes: Sequence[int]) -> list[int]:
+    """``tensor_sizes`` as a list of non-negative ints (what ``build_metadata`` may shard)."""
+    sizes = _as_int_list(tensor_sizes, "tensor_sizes")
+    if any(n < 0 for n in sizes):
+        raise ValueError(f"tensor_sizes must not be negative, got {sizes}")
+    return sizes
 
 
 def _placements(values: Sequence[Any]) -> tuple[Placement, ...]:
@@ -147,7 +171,7 @@ class ChunkShardingSpec(ShardingSpec):
     def build_metadata(
         self, tensor_sizes: Sequence[int], tensor_properties: Optional[TensorProperties] = None
     ) -> ShardedTensorMetadata:
-        sizes = [int(s) for s in tensor_sizes]
+        sizes = _tensor_sizes(tensor_sizes)
         ndim = len(sizes)
         if not -ndim <= self.dim < ndim:
             raise ValueError(f"cannot shard dim {self.dim} of a tensor of size {sizes} ({ndim} dimensions)")
@@ -176,6 +200,7 @@ class EnumerableShardingSpec(ShardingSpec):
             metadata is built for its size.
 
     Raises:
+        TypeError: ``shards`` is not a sequence of :class:`ShardMetadata`.
         ValueError: the list is empty, shards differ in rank, or two overlap
             (the message names both).
     """
@@ -200,10 +225,11 @@ class EnumerableShardingSpec(ShardingSpec):
     def build_metadata(
         self, tensor_sizes: Sequence[int], tensor_properties: Optional[TensorProperties] = None
     ) -> ShardedTensorMetadata:
-        check_covering(self.shards, list(tensor_sizes))
+        sizes = _tensor_sizes(tensor_sizes)
+        check_covering(self.shards, sizes)
         return ShardedTensorMetadata(
             [ShardMetadata(s.shard_offsets, s.shard_sizes, s.placement) for s in self.shards],
-            torch.Size(tensor_sizes),
+            torch.Size(sizes),
             tensor_properties or TensorProperties(),
         )
 
@@ -227,24 +253,53 @@ def spec_from_dict(data: dict[str, Any]) -> ShardingSpec:
 
     Raises:
         ValueError: the dict describes a spec class this function cannot
-            rebuild (a user-defined one).
+            rebuild (a user-defined one), lacks a key, or holds values the
+            spec's constructor rejects.
+        TypeError: the dict holds values of the wrong type (as the spec's
+            constructor raises).
     """
+    if not isinstance(data, dict):
+        raise ValueError(f"a sharding spec dict is needed, got {type(data).__name__}")
     kind = data.get("type")
     if kind == "chunk":
-        return ChunkShardingSpec(data["dim"], data["placements"])
+        dim, placements = _fields(data, ("dim", "placements"), "chunk sharding spec")
+        if isinstance(dim, str):
+            # A named dim is NotImplementedError for the constructor; from a dict it is malformed data.
+            raise ValueError(f"chunk sharding spec dim must be an int, got {dim!r}")
+        return ChunkShardingSpec(dim, placements)
     if kind == "enumerable":
-        return EnumerableShardingSpec([ShardMetadata.from_dict(s) for s in data["shards"]])
+        (shards,) = _fields(data, ("shards",), "enumerable sharding spec")
+        if not isinstance(shards, list):
+            raise ValueError(f"enumerable sharding spec 'shards' must be a list, got {type(shards).__name__}")
+        return EnumerableShardingSpec([ShardMetadata.from_dict(s) for s in shards])
     raise ValueError(f"cannot rebuild a sharding spec of type {kind!r} from a dict")
 
 
-def infer_sharding_spec(shards_metadata: Sequence[ShardMetadata]) -> ShardingSpec:
+def infer_sharding_spec(
+    shards_metadata: Sequence[ShardMetadata], tensor_size: Optional[Sequence[int]] = None
+) -> ShardingSpec:
     """The spec that produces ``shards_metadata``: a chunk spec when one does, else Enumerable.
 
     A chunk spec is found for any sharded dim, including dim 0 and a single
     shard covering the whole tensor (torch 2.13 infers Enumerable for those
     and can misread shards cut along two dims as a chunk spec).
+
+    Args:
+        shards_metadata: The shards.
+        tensor_size: The size of the tensor they tile, when known. Shards of
+            a tensor with no elements need not span it (empty shards hold
+            nothing anywhere), so only with the size can a chunk spec be
+            told to cut them for exactly that tensor.
+
+    Raises:
+        TypeError: an entry is not a :class:`ShardMetadata`.
+        ValueError: there are no shards, or they overlap or differ in
+            their number of dimensions (as :class:`EnumerableShardingSpec`).
     """
     shards = list(shards_metadata)
+    for i, shard in enumerate(shards):
+        if not isinstance(shard, ShardMetadata):
+            raise TypeError(f"shard {i} must be a ShardMetadata, got {type(shard).__name__}")
     if not shards or any(s.placement is None for s in shards):
         return EnumerableShardingSpec(shards)
     ndim = len(shards[0].shard_offsets)
@@ -259,6 +314,8 @@ def infer_sharding_spec(shards_metadata: Sequence[ShardMetadata]) -> ShardingSpe
             continue
         ordered = sorted(shards, key=lambda s: s.shard_offsets[dim])
         total = sum(s.shard_sizes[dim] for s in ordered)
+        if tensor_size is not None and [*full[:dim], total, *full[dim:]] != list(tensor_size):
+            continue
         expected = chunk_sizes(total, len(ordered))
         offset = 0
         ok = True

@@ -6,9 +6,12 @@ lives on the group's device: this works on gloo/CPU-only hosts, where
 torch 2.13's versions fail (they put the flag on an accelerator).
 
 Semantics follow torch 2.13's sharded ``equal``/``allclose``: tensors whose
-layouts (size, shard boxes, placements) or dtypes differ compare False,
-without communication (all ranks see the same metadata, so all skip it
-alike). Unlike torch 2.13, ``requires_grad`` and ``pin_memory`` do not
+layouts (size, shard boxes, placements) or dtypes differ compare False.
+Every rank still joins the one ``all_reduce``, even when it knows the
+answer alone: a rank that sees other operands than its peers (a plain
+tensor of another shape on one rank) must not leave them waiting in it,
+and a rank whose arguments fail raises its error while the others raise
+:class:`~shardwise.errors.PeerError` naming it. Unlike torch 2.13, ``requires_grad`` and ``pin_memory`` do not
 matter, as for plain tensors. The other operand may also be a plain tensor
 holding the whole tensor, the same on every rank: each rank compares its
 shards with the matching slices.
@@ -21,6 +24,7 @@ from typing import Any, Callable
 import torch
 
 from shardwise._records import ShardedOp
+from shardwise.errors import PeerError
 from shardwise.sharded_tensor._api import ShardedTensor
 from shardwise.sharded_tensor._ops._common import box_key, layout_key, local_by_box, op_name, records_for
 
@@ -32,6 +36,14 @@ def _agree(group: Any, flag: bool, op: str) -> bool:
     t = torch.tensor([int(flag)], dtype=torch.int32, device=group.device)
     group.all_reduce(t, op=op)
     return bool(t.item())
+
+
+def _group_of(args: Any, kwargs: Any) -> Any:
+    """The group of the first ShardedTensor argument (dispatch guarantees there is one)."""
+    for value in (*args, *(kwargs or {}).values()):
+        if isinstance(value, ShardedTensor):
+            return value._process_group
+    raise TypeError("expected a ShardedTensor argument")
 
 
 def _same_group(a: Any, b: Any) -> bool:
@@ -69,7 +81,8 @@ def _comparison(func: Any) -> Callable[..., Any]:
     name = op_name(func)
     params = _PARAMS["allclose" if name.endswith("allclose") else "equal"]
 
-    def impl(types: Any, args: Any, kwargs: Any, process_group: Any) -> bool:
+    def local(args: Any, kwargs: Any) -> bool:
+        """This rank's answer, from its own shards only."""
         if len(args) > len(params):
             raise TypeError(f"{name}() takes at most {len(params)} arguments, got {len(args)}")
         bound = dict(zip(params, args, strict=False))
@@ -83,9 +96,26 @@ def _comparison(func: Any) -> Callable[..., Any]:
         found = _pairs(a, b)
         if found is None:
             return False
-        st, pieces = found
-        same = all(func(x, y.to(x.device), **bound) for x, y in pieces)
-        return _agree(st._process_group, same, "min")
+        return all(func(x, y.to(x.device), **bound) for x, y in found[1])
+
+    def impl(types: Any, args: Any, kwargs: Any, process_group: Any) -> bool:
+        group = _group_of(args, kwargs)
+        error: Exception | None = None
+        try:
+            code = int(local(args, kwargs))  # 1: equal here, 0: not
+        except (TypeError, ValueError, RuntimeError) as exc:
+            error, code = exc, -(group.rank + 1)  # negative: failed here; "min" keeps the failure
+        t = torch.tensor([code], dtype=torch.int64, device=group.device)
+        group.all_reduce(t, op="min")
+        verdict = int(t.item())
+        if error is not None:
+            raise error
+        if verdict < 0:
+            raise PeerError(
+                f"{name}: rank {-verdict - 1} could not compare its shards (see its traceback), "
+                "so no rank has an answer"
+            )
+        return bool(verdict)
 
     return impl
 
