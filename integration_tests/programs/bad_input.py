@@ -584,6 +584,7 @@ CASES: list[Case] = [
         _shard_with(lambda ctx: ctx.rows(), lambda ctx: _on_culprit(ctx, 7, 0)),
         E("ValueError", r"src_rank=7 is not a rank of the group"),
         culprit=CULPRIT,
+        peers=E("PeerError", r"^shard_tensor: rank 1 \(ValueError\) rejected its arguments"),
     ),
     Case(
         "shard_src_rank_differs",
@@ -625,6 +626,7 @@ CASES: list[Case] = [
         _reshard_to(lambda ctx: _on_culprit(ctx, {"dim": 1}, ctx.cols())),
         E("TypeError", r"reshard takes a ShardingSpec, got dict"),
         culprit=CULPRIT,
+        peers=E("PeerError", r"^reshard: rank 1 \(TypeError\) rejected its arguments"),
     ),
     Case(
         "reshard_spec_differs",
@@ -656,6 +658,7 @@ CASES: list[Case] = [
         _gather(lambda ctx: _on_culprit(ctx, -1, 0), _full_out),
         E("ValueError", r"dst=-1 is not a rank of the group"),
         culprit=CULPRIT,
+        peers=E("PeerError", r"^gather: rank 1 \(ValueError\) rejected its arguments"),
     ),
     Case(
         "gather_dst_differs",

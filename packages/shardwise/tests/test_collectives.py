@@ -235,6 +235,9 @@ def test_bad_out_raises_on_every_rank() -> None:
     )
     for seen in results:
         assert seen["after"] == ("ok", "2.0")
+    assert results[1]["labelled"] == ("ValueError", "bad spec")
+    assert results[0]["labelled"][0] == "PeerError"
+    assert results[0]["labelled"][1].startswith("my_api: rank 1 (ValueError) rejected its arguments"), results[0]
 
 
 def _attempt(fn: Callable[[], Any]) -> tuple[str, str]:
@@ -273,6 +276,10 @@ def bad_inputs() -> dict[str, tuple[str, str]]:
         lambda: g.reject(ValueError("my own check failed")) if r == 1 else g.all_to_all_single(torch.ones(w))
     )
     seen["reject_kind"] = _attempt(lambda: g.reject(RuntimeError("x")))  # refused locally, nothing sent
+    # An API built on exchange names itself in the peers' PeerError, not "exchange".
+    seen["labelled"] = _attempt(
+        lambda: g.reject(ValueError("bad spec"), op="my_api") if r == 1 else g.exchange({"ok": 1}, op="my_api")
+    )
     # The group is still in step after every failure above.
     seen["after"] = ("ok", str(g.all_reduce(torch.ones(1)).item()))
     return seen

@@ -428,11 +428,17 @@ class Group(GroupBase):
             return None
         return split_out(out, counts, dims, shape, tensor.dtype, tensor.device)
 
-    def exchange(self, obj: Any) -> list[Any]:
+    def exchange(self, obj: Any, *, op: Optional[str] = None) -> list[Any]:
         """All-gather a small JSON-safe object from every rank.
 
         The object is encoded as strict JSON (never pickled), so a peer
         cannot make this rank run code; tuples come back as lists.
+
+        Args:
+            obj: What this rank contributes.
+            op: The API call this exchange belongs to (``"shard_tensor"``),
+                named in the :class:`PeerError` raised here when a peer
+                rejects its part (:meth:`reject`); default ``"exchange"``.
 
         Returns:
             ``[obj_of_rank_0, obj_of_rank_1, ...]``.
@@ -447,7 +453,7 @@ class Group(GroupBase):
             payload.append(_wire.encode_json(obj))
             return Call("exchange", count=len(payload[0]))
 
-        _, rows = self._handshake(prepare, required=True)
+        _, rows = self._handshake(prepare, required=True, label=op)
         assert rows is not None
         counts = [rows.count(r) for r in range(self.size)]
         raw = bytearray(payload[0])
@@ -462,7 +468,7 @@ class Group(GroupBase):
             offset += n
         return results
 
-    def reject(self, error: Exception) -> NoReturn:
+    def reject(self, error: Exception, *, op: Optional[str] = None) -> NoReturn:
         """Fail this rank's part of the collective its peers are entering.
 
         For code that validates its own arguments before calling a
@@ -473,6 +479,7 @@ class Group(GroupBase):
 
         Args:
             error: A ``TypeError``, ``ValueError`` or ``IndexError``.
+            op: The API call being rejected; see :meth:`exchange`.
 
         Raises:
             The given ``error`` on this rank (always).
@@ -483,7 +490,7 @@ class Group(GroupBase):
         def prepare() -> Call:
             raise error
 
-        self._handshake(prepare, required=True)
+        self._handshake(prepare, required=True, label=op)
         raise AssertionError("unreachable: the handshake re-raises the rejected error")
 
     def new_group(self, ranks: Sequence[int]) -> Optional[Group]:

@@ -183,11 +183,16 @@ class GroupBase(abc.ABC):
     def _wire_device(self, tensor: torch.Tensor) -> Optional[torch.device]:
         return None if tensor.device.type in self._devices else self._device
 
-    def _handshake(self, prepare: Callable[[], Call], *, required: bool = False) -> tuple[Call, Optional[Rows]]:
+    def _handshake(
+        self, prepare: Callable[[], Call], *, required: bool = False, label: Optional[str] = None
+    ) -> tuple[Call, Optional[Rows]]:
         """Validate locally, then (if verifying) agree with every rank.
 
         ``prepare`` raises TypeError/ValueError/IndexError for bad local
         arguments; with the handshake those are reported to every rank.
+        ``label`` names the call in a peer's :class:`PeerError` (default:
+        the collective), so an API built on ``exchange`` can say
+        "shard_tensor: rank 1 ... rejected" instead of "exchange: ...".
         """
         if not (self.verify or required):
             return prepare(), None
@@ -221,7 +226,7 @@ class GroupBase(abc.ABC):
             kinds = {1: "TypeError", 2: "ValueError", 3: "IndexError"}
             desc = ", ".join(f"rank {r} ({kinds.get(rows.table[r][2], 'error')})" for r in failed)
             raise PeerError(
-                f"{call.op}: {desc} rejected its arguments, so no data was sent; "
+                f"{label or call.op}: {desc} rejected its arguments, so no data was sent; "
                 "see that rank's traceback for the cause"
             )
         ops = {rows.op(r) for r in range(self.size)}

@@ -164,8 +164,8 @@ def shard_tensor(
     try:
         payload = _local_payload(tensor, sharding_spec, src_rank, group)
     except (TypeError, ValueError) as exc:
-        group.reject(exc)
-    entries = group.exchange(payload)
+        group.reject(exc, op="shard_tensor")
+    entries = group.exchange(payload, op="shard_tensor")
     check_same([e["src_rank"] for e in entries], "src_rank", "every rank must pass the same src_rank")
     check_same([e["spec"] for e in entries], "sharding spec", "every rank must pass the same spec")
     info = entries[src_rank]["tensor"]
@@ -269,8 +269,8 @@ def gather_to(
     try:
         mine = _gather_payload(st, group, dst, out, dtype, bool(enforce_dtype))
     except (TypeError, ValueError) as exc:
-        group.reject(exc)
-    entries = group.exchange(mine)
+        group.reject(exc, op="gather")
+    entries = group.exchange(mine, op="gather")
     for key in ("dst", "dtype", "enforce_dtype"):
         check_same([e[key] for e in entries], f"gather {key}", f"every rank must pass the same {key}")
     check_same([e["layout"] for e in entries], "tensor's layout (digest of its metadata)", SAME_TENSOR)
@@ -435,8 +435,8 @@ def reshard_in_place(st: ShardedTensor, spec: ShardingSpec) -> ShardedTensor:
         target = build_target(spec, old, group, "reshard")
         have = match_sources(st._local_shards, old, group.rank)
     except (TypeError, ValueError) as exc:
-        group.reject(exc)
-    entries = group.exchange(mine)
+        group.reject(exc, op="reshard")
+    entries = group.exchange(mine, op="reshard")
     check_same([e["spec"] for e in entries], "resharding spec", "every rank must reshard to the same spec")
     check_same([e["layout"] for e in entries], "tensor's layout (digest of its metadata)", SAME_TENSOR)
     if target.shards_metadata == old.shards_metadata:

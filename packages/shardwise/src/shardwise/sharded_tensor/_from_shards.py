@@ -100,8 +100,8 @@ def init_from_local_shards(
     try:
         payload = _local_payload(local_shards, global_size, group.rank, group.size)
     except (TypeError, ValueError) as exc:
-        group.reject(exc)
-    gathered = group.exchange(payload)
+        group.reject(exc, op="init_from_local_shards")
+    gathered = group.exchange(payload, op="init_from_local_shards")
     size = gathered[group.rank]["size"]
     for r, entry in enumerate(gathered):
         if entry["size"] != size:
