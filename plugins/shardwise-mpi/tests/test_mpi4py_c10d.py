@@ -132,3 +132,19 @@ def test_register_is_idempotent_and_lazy() -> None:
     )
     proc = _run([sys.executable, "-c", code], 60)
     assert proc.returncode == 0 and "OK" in proc.stdout, _show(proc)
+
+
+@needs_mpiexec
+def test_a_frozen_rank_is_reported_and_the_job_aborted_after_the_group_timeout() -> None:
+    # MPI cannot cancel the survivors' blocked all_reduce: the watchdog names it and aborts the job.
+    cmd = [str(MPIEXEC), "-n", "3", sys.executable, str(PROGRAMS / "c10d_frozen_rank.py")]
+    proc = _run(cmd, 120)
+    assert proc.returncode != 0, _show(proc)
+    found = re.search(
+        r'shardwise: rank ([02]) of 3: all_reduce on torch.distributed backend "mpi4py" has waited ([\d.]+) s for '
+        r"its peers, longer than the group's timeout \(4 s, set by init_process_group\(timeout=\.\.\.\)\)",
+        proc.stderr,
+    )
+    assert found, _show(proc)
+    assert 4 <= float(found.group(2)) < 10, found.group(0)
+    assert "finished although rank 1 froze" not in proc.stdout, _show(proc)

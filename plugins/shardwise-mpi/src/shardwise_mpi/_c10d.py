@@ -48,6 +48,8 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from shardwise_mpi._watchdog import Watchdog
+
 __all__ = ["BACKEND_NAME", "MpiProcessGroup", "register"]
 
 BACKEND_NAME = "mpi4py"
@@ -120,13 +122,20 @@ class MpiProcessGroup(dist.ProcessGroup):
         group_name: torch's name of the group.
     """
 
-    def __init__(self, comm: Any, group_name: str = "") -> None:
+    def __init__(self, comm: Any, group_name: str = "", timeout: Optional[timedelta] = None) -> None:
         # (rank, size): the storeless constructor Python groups use; missing from torch's stubs.
         super().__init__(comm.Get_rank(), comm.Get_size())  # type: ignore[call-arg]
         self.comm = comm
         self._name = group_name
         self._desc = "undefined"
         self._C = _collectives()
+        # MPI cannot cancel a blocked call: past the group's timeout the job is reported and aborted.
+        self._watch = Watchdog(
+            timeout,
+            lambda: f"rank {self.rank()} of {self.size()}",
+            backend='torch.distributed backend "mpi4py"',
+            how_to_set="init_process_group(timeout=...)",
+        )
 
     # --- identity -------------------------------------------------------
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
@@ -157,18 +166,21 @@ class MpiProcessGroup(dist.ProcessGroup):
 
     # --- collectives ----------------------------------------------------
     def barrier(self, opts: Any = None) -> Any:
-        self._C.barrier(self.comm)
+        with self._watch("barrier"):
+            self._C.barrier(self.comm)
         return _completed(None)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Any:
         for t in tensors:
-            self._C.bcast(self.comm, t, opts.rootRank)
+            with self._watch("broadcast"):
+                self._C.bcast(self.comm, t, opts.rootRank)
         return _completed(tensors)
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
         op = _op(opts)
         for t in tensors:
-            self._C.allreduce(self.comm, t, op)
+            with self._watch("all_reduce"):
+                self._C.allreduce(self.comm, t, op)
         return _completed(tensors)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any) -> Any:
@@ -179,11 +191,13 @@ class MpiProcessGroup(dist.ProcessGroup):
         # one implementation and torch leaves non-root outputs unspecified.
         op = _op(opts)
         for t in tensors:
-            self._C.allreduce(self.comm, t, op)
+            with self._watch("all_reduce"):
+                self._C.allreduce(self.comm, t, op)
         return _completed(tensors)
 
     def _allgather_base(self, output: torch.Tensor, inp: torch.Tensor, opts: Any = None) -> Any:
-        self._C.allgatherv(self.comm, output, inp, [inp.numel()] * self.size())
+        with self._watch("all_gather"):
+            self._C.allgatherv(self.comm, output, inp, [inp.numel()] * self.size())
         return _completed([output])
 
     def allgather_into_tensor_coalesced(
@@ -197,7 +211,8 @@ class MpiProcessGroup(dist.ProcessGroup):
         for outs, inp in zip(output_lists, inputs, strict=True):
             counts = [o.numel() for o in outs]
             flat = torch.empty(sum(counts), dtype=inp.dtype, device=inp.device)
-            self._C.allgatherv(self.comm, flat, inp, counts)
+            with self._watch("all_gather"):
+                self._C.allgatherv(self.comm, flat, inp, counts)
             for o, piece in zip(outs, flat.split(counts), strict=True):
                 o.copy_(piece.view(o.shape))
         return _completed(output_lists)
@@ -211,7 +226,8 @@ class MpiProcessGroup(dist.ProcessGroup):
         return _completed(output_lists)
 
     def _reduce_scatter_base(self, output: torch.Tensor, inp: torch.Tensor, opts: Any) -> Any:
-        self._C.reduce_scatter(self.comm, output, inp, [output.numel()] * self.size(), _op(opts))
+        with self._watch("reduce_scatter"):
+            self._C.reduce_scatter(self.comm, output, inp, [output.numel()] * self.size(), _op(opts))
         return _completed([output])
 
     def reduce_scatter_tensor_coalesced(
@@ -226,7 +242,8 @@ class MpiProcessGroup(dist.ProcessGroup):
         for out, ins in zip(outputs, input_lists, strict=True):
             counts = [t.numel() for t in ins]
             flat = torch.cat([t.reshape(-1) for t in ins])
-            self._C.reduce_scatter(self.comm, out, flat, counts, op)
+            with self._watch("reduce_scatter"):
+                self._C.reduce_scatter(self.comm, out, flat, counts, op)
         return _completed(outputs)
 
     def alltoall_base(
@@ -245,7 +262,9 @@ class MpiProcessGroup(dist.ProcessGroup):
         out_row = output[0].numel() if output.shape[0] else 0
         in_splits = list(input_split_sizes) or [inp.shape[0] // size] * size
         out_splits = list(output_split_sizes) or [output.shape[0] // size] * size
-        self._C.alltoallv(self.comm, output, [s * out_row for s in out_splits], inp, [s * in_row for s in in_splits])
+        out_counts, in_counts = [s * out_row for s in out_splits], [s * in_row for s in in_splits]
+        with self._watch("all_to_all"):
+            self._C.alltoallv(self.comm, output, out_counts, inp, in_counts)
         return _completed([output])
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> Any:
@@ -253,7 +272,8 @@ class MpiProcessGroup(dist.ProcessGroup):
         out_counts = [t.numel() for t in outputs]
         flat_in = torch.cat([t.reshape(-1) for t in inputs])
         flat_out = torch.empty(sum(out_counts), dtype=flat_in.dtype, device=flat_in.device)
-        self._C.alltoallv(self.comm, flat_out, out_counts, flat_in, in_counts)
+        with self._watch("all_to_all"):
+            self._C.alltoallv(self.comm, flat_out, out_counts, flat_in, in_counts)
         for o, piece in zip(outputs, flat_out.split(out_counts), strict=True):
             o.copy_(piece.view(o.shape))
         return _completed(outputs)
@@ -266,13 +286,15 @@ class MpiProcessGroup(dist.ProcessGroup):
             outs = output_lists[0]
             counts = [o.numel() for o in outs]
             flat = torch.empty(sum(counts), dtype=inp.dtype, device=inp.device)
-            self._C.gatherv(self.comm, flat, inp, counts, root)
+            with self._watch("gather"):
+                self._C.gatherv(self.comm, flat, inp, counts, root)
             for o, piece in zip(outs, flat.split(counts), strict=True):
                 o.copy_(piece.view(o.shape))
         else:
             counts = [0] * self.size()
             counts[self.rank()] = inp.numel()
-            self._C.gatherv(self.comm, None, inp, counts, root)
+            with self._watch("gather"):
+                self._C.gatherv(self.comm, None, inp, counts, root)
         return _completed(output_lists)
 
     def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any) -> Any:
@@ -282,11 +304,13 @@ class MpiProcessGroup(dist.ProcessGroup):
             ins = input_lists[0]
             counts = [t.numel() for t in ins]
             flat = torch.cat([t.reshape(-1) for t in ins]) if ins else None
-            self._C.scatterv(self.comm, out, flat, counts, root)
+            with self._watch("scatter"):
+                self._C.scatterv(self.comm, out, flat, counts, root)
         else:
             counts = [0] * self.size()
             counts[self.rank()] = out.numel()
-            self._C.scatterv(self.comm, out, None, counts, root)
+            with self._watch("scatter"):
+                self._C.scatterv(self.comm, out, None, counts, root)
         return _completed(outputs)
 
     # torch 2.13's Python front end calls these names on the group; the C++
@@ -309,22 +333,25 @@ class MpiProcessGroup(dist.ProcessGroup):
         MPI = _mpi()
         for t in tensors:
             src = t.detach().contiguous().cpu()
-            self.comm.Send(
-                [MPI.buffer.fromaddress(src.data_ptr(), src.numel() * src.element_size(), readonly=True), MPI.BYTE],
-                dest=dst,
-                tag=tag,
-            )
+            with self._watch("send"):
+                nbytes = src.numel() * src.element_size()
+                self.comm.Send(
+                    [MPI.buffer.fromaddress(src.data_ptr(), nbytes, readonly=True), MPI.BYTE],
+                    dest=dst,
+                    tag=tag,
+                )
         return _completed(tensors)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any:
         MPI = _mpi()
         for t in tensors:
             buf = t.detach() if (t.is_contiguous() and t.device.type == "cpu") else torch.empty_like(t, device="cpu")
-            self.comm.Recv(
-                [MPI.buffer.fromaddress(buf.data_ptr(), buf.numel() * buf.element_size()), MPI.BYTE],
-                source=src,
-                tag=tag,
-            )
+            with self._watch("recv"):
+                self.comm.Recv(
+                    [MPI.buffer.fromaddress(buf.data_ptr(), buf.numel() * buf.element_size()), MPI.BYTE],
+                    source=src,
+                    tag=tag,
+                )
             if buf is not t:
                 t.copy_(buf)
         return _completed(tensors)
@@ -358,7 +385,7 @@ def _create(backend_opts: Any, pg_options: Any = None) -> MpiProcessGroup:
         comm = world.Create_group(world.Get_group().Incl(ranks))
     if comm.Get_rank() != rank:
         raise RuntimeError(f"MPI rank {comm.Get_rank()} differs from torch group rank {rank}")
-    return MpiProcessGroup(comm, str(backend_opts.group_id))
+    return MpiProcessGroup(comm, str(backend_opts.group_id), timeout=getattr(backend_opts, "timeout", None))
 
 
 # --- rendezvous -----------------------------------------------------------

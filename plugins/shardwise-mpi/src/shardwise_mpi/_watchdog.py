@@ -57,6 +57,8 @@ class Watchdog:
         where: Describes this process for the message (``"rank 1 of 3"``).
         on_expiry: What to do after printing the message (default: abort
             the MPI job with :data:`EXIT_CODE`); tests pass their own.
+        backend: How the messages name the backend.
+        how_to_set: How the messages say the timeout is set.
     """
 
     def __init__(
@@ -64,10 +66,15 @@ class Watchdog:
         timeout: Optional[timedelta],
         where: Callable[[], str],
         on_expiry: Optional[Callable[[int], None]] = None,
+        *,
+        backend: str = "the mpi backend",
+        how_to_set: str = "shardwise.init(timeout=...) or SHARDWISE_TIMEOUT",
     ) -> None:
         seconds = timeout.total_seconds() if timeout is not None else 0.0
         self.timeout: Optional[float] = seconds if seconds > 0 else None
         self._where = where
+        self._backend = backend
+        self._how_to_set = how_to_set
         self._on_expiry = on_expiry or _abort
         self._op: Optional[str] = None
         self._op_next = ""
@@ -100,7 +107,7 @@ class Watchdog:
             from shardwise.errors import PeerLostError
 
             raise PeerLostError(
-                f"{self._where()}: {op} on the mpi backend failed: {value}. A peer has probably died or "
+                f"{self._where()}: {op} on {self._backend} failed: {value}. A peer has probably died or "
                 "stopped calling collectives; see the other ranks' logs. The group cannot be used any more."
             ) from value
 
@@ -127,9 +134,9 @@ class Watchdog:
 
     def _expire(self, op: str, waited: float) -> None:
         message = (
-            f"shardwise: {self._where()}: {op} on the mpi backend has waited {waited:.1f} s for its "
-            f"peers, longer than the group's timeout ({self.timeout:g} s, set by shardwise.init(timeout=...) "
-            "or SHARDWISE_TIMEOUT). A peer has died or stopped calling collectives; MPI cannot cancel a "
+            f"shardwise: {self._where()}: {op} on {self._backend} has waited {waited:.1f} s for its "
+            f"peers, longer than the group's timeout ({self.timeout:g} s, set by {self._how_to_set}). "
+            "A peer has died or stopped calling collectives; MPI cannot cancel a "
             f"blocked call, so this rank aborts the job (exit status {EXIT_CODE}).\n"
         )
         for stream in (sys.stdout, sys.stderr):
