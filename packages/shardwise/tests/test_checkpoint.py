@@ -123,7 +123,7 @@ def test_a_save_killed_half_way_leaves_the_previous_checkpoint_loadable(tmp_path
 def test_an_interrupted_replacement_loads_the_old_copy(tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
     _run(save_rank, 2, str(path), 3.0)
-    os.replace(path, tmp_path / ".ckpt.old-0123")  # as if killed between the two renames
+    os.replace(path, tmp_path / f".ckpt.old-{'0123' * 8}")  # as if killed between the two renames
     assert _run(load_rank, 2, str(path), 3.0) == [True, True]
 
 
@@ -332,3 +332,15 @@ def test_exchange_rejects_a_pickle_from_a_peer_unread() -> None:
         assert not marker.exists()
     for kind, message in results:
         assert kind == "ValueError" and "rank 1 sent" in message and "never unpickles" in message, message
+
+
+def test_leftovers_are_matched_by_exact_name_never_another_checkpoints(tmp_path: Path) -> None:
+    from shardwise.checkpoint import _siblings
+
+    token = "ab" * 16
+    mine = [f".ckpt[1].saving-{token}", f".ckpt[1].old-{token}"]
+    others = [f".ckpt1.saving-{token}", f".ckpt[1]2.saving-{token}", f".ckpt[1].saving-{token}x", ".ckpt[1].old-123"]
+    for name in mine + others:
+        (tmp_path / name).mkdir()
+    found = sorted(p.name for p in _siblings(tmp_path / "ckpt[1]", "saving") + _siblings(tmp_path / "ckpt[1]", "old"))
+    assert found == sorted(mine)

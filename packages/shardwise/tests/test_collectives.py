@@ -235,9 +235,6 @@ def test_bad_out_raises_on_every_rank() -> None:
     )
     for seen in results:
         assert seen["after"] == ("ok", "2.0")
-    assert results[1]["labelled"] == ("ValueError", "bad spec")
-    assert results[0]["labelled"][0] == "PeerError"
-    assert results[0]["labelled"][1].startswith("my_api: rank 1 (ValueError) rejected its arguments"), results[0]
 
 
 def _attempt(fn: Callable[[], Any]) -> tuple[str, str]:
@@ -315,6 +312,9 @@ def test_bad_input_raises_on_every_rank() -> None:
     for seen in results:
         assert seen["reject_kind"] == ("TypeError", "reject() takes a TypeError, ValueError or IndexError, got RuntimeError")
         assert seen["after"] == ("ok", "2.0")
+    assert results[1]["labelled"] == ("ValueError", "bad spec")
+    assert results[0]["labelled"][0] == "PeerError"
+    assert results[0]["labelled"][1].startswith("my_api: rank 1 (ValueError) rejected its arguments"), results[0]
 
 
 def test_errors_are_both_shardwise_and_builtin() -> None:

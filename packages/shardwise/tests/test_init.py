@@ -183,3 +183,10 @@ def test_a_transport_failure_becomes_peer_lost_error_naming_rank_and_collective(
         group.broadcast(torch.ones(3))
     monkeypatch.undo()
     assert group.all_reduce(torch.ones(3)).tolist() == [1.0, 1.0, 1.0]  # the handshake label was reset
+
+    def out_of_memory(*args: object, **kwargs: object) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(dist, "all_reduce", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):  # a local failure, not a lost peer: its type is kept
+        group.all_reduce(torch.ones(3), op="max")

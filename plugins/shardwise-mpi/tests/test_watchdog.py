@@ -73,3 +73,39 @@ def test_other_errors_pass_through_unchanged() -> None:
     with pytest.raises(ValueError, match="counts"):
         with dog("gather"):
             raise ValueError("counts do not fit")
+
+
+def test_close_stops_the_thread_and_an_unused_watchdog_is_collected() -> None:
+    import gc
+    import weakref
+
+    dog = Watchdog(timedelta(seconds=30), lambda: "rank 0 of 2", on_expiry=Expiry())
+    with dog("barrier"):
+        pass
+    thread = dog._thread
+    assert thread is not None and thread.is_alive()
+    dog.close()
+    assert not thread.is_alive()
+    with dog("barrier"):  # closed: nothing is watched any more
+        pass
+    assert dog.state()["timeout"] is None
+    # Without close(): the thread holds only a weak reference, so a dropped watchdog goes away, and so does it.
+    other = Watchdog(timedelta(seconds=0.5), lambda: "rank 0 of 2", on_expiry=Expiry())
+    with other("barrier"):
+        pass
+    other_thread, ref = other._thread, weakref.ref(other)
+    del other
+    gc.collect()
+    assert ref() is None
+    assert other_thread is not None
+    other_thread.join(timeout=2.0)
+    assert not other_thread.is_alive()
+
+
+def test_an_mpi_argument_error_is_not_reported_as_a_lost_peer() -> None:
+    mpi = pytest.importorskip("mpi4py.MPI")
+    dog = Watchdog(timedelta(seconds=30), lambda: "rank 0 of 2", on_expiry=Expiry())
+    with pytest.raises(mpi.Exception) as info:
+        with dog("recv"):
+            raise mpi.Exception(mpi.ERR_TRUNCATE)
+    assert not isinstance(info.value, PeerLostError)

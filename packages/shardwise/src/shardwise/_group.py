@@ -459,7 +459,11 @@ class Group(GroupBase):
         raw = bytearray(payload[0])
         inp = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
         out = torch.empty(sum(counts), dtype=torch.uint8, device=self._device)
-        self._all_gather(out, inp.to(self._device), counts)
+        self._moving = op
+        try:
+            self._all_gather(out, inp.to(self._device), counts)
+        finally:
+            self._moving = None
         host = out.cpu()
         data = ctypes.string_at(host.data_ptr(), host.numel()) if host.numel() else b""
         results, offset = [], 0

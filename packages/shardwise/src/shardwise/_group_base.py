@@ -58,11 +58,15 @@ class GroupBase(abc.ABC):
         # The collective whose handshake is running, so a backend's error
         # names what the user called rather than the handshake's all-gather.
         self._agreeing: Optional[str] = None
+        # The API call whose data an exchange is moving (shard_tensor, reshard ...).
+        self._moving: Optional[str] = None
 
     def _describe(self, primitive: str) -> str:
         """What a backend's error message should call the running ``primitive``."""
         agreeing = self._agreeing
-        return primitive if agreeing is None else f"{agreeing} (agreeing on its arguments)"
+        if agreeing is not None:
+            return f"{agreeing} (agreeing on its arguments)"
+        return self._moving or primitive
 
     # -- identity ------------------------------------------------------------
     @property
@@ -208,7 +212,7 @@ class GroupBase(abc.ABC):
         width = len(row)
         mine = torch.tensor(row, dtype=torch.int64, device=self._device)
         table = torch.empty(width * self.size, dtype=torch.int64, device=self._device)
-        self._agreeing = call.op
+        self._agreeing = label or call.op
         try:
             self._all_gather(table, mine, [width] * self.size)
         finally:

@@ -45,6 +45,7 @@ Example:
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import uuid
 from pathlib import Path
@@ -167,16 +168,30 @@ def _replace(staging: Path, target: Path, token: str) -> None:
         # Between these two renames ``target`` is briefly missing; load() then finds the old copy.
         os.replace(staging, target)
         shutil.rmtree(old, ignore_errors=True)
-    for pattern in (f".{target.name}.saving-*", f".{target.name}.old-*"):
-        for leftover in target.parent.glob(pattern):
-            shutil.rmtree(leftover, ignore_errors=True)
+    for leftover in _siblings(target, "saving") + _siblings(target, "old"):
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _siblings(target: Path, kind: str) -> list[Path]:
+    """``target``'s own ``.<name>.<kind>-<token>`` directories (never another checkpoint's).
+
+    Matched exactly, not by glob: a name with ``[``, ``*`` or ``?`` in it, or
+    one that is a prefix of another checkpoint's, must not reach that
+    checkpoint's copies.
+    """
+    pattern = re.compile(rf"\.{re.escape(target.name)}\.{kind}-[0-9a-f]{{32}}")
+    try:
+        names = os.listdir(target.parent)
+    except FileNotFoundError:
+        return []
+    return [target.parent / name for name in names if pattern.fullmatch(name)]
 
 
 def _readable(path: Path) -> Path:
     """``path``, or the previous checkpoint a save was replacing when it was interrupted."""
     if path.exists():
         return path
-    olds = sorted(path.parent.glob(f".{path.name}.old-*"), key=lambda p: p.stat().st_mtime)
+    olds = sorted(_siblings(path, "old"), key=lambda p: p.stat().st_mtime)
     if olds and (olds[-1] / ".metadata").exists():
         return olds[-1]
     raise FileNotFoundError(f"no checkpoint at {path}")

@@ -68,7 +68,9 @@ def _peer_failures(name: str) -> Callable[[_Primitive], _Primitive]:
             try:
                 return primitive(self, *args, **kwargs)
             except RuntimeError as exc:
-                if isinstance(exc, ShardwiseError):
+                # Local failures keep their own type: out of memory (callers catch it to retry
+                # smaller), an unsupported operation, shardwise's own errors.
+                if isinstance(exc, (ShardwiseError, torch.OutOfMemoryError, NotImplementedError)):
                     raise
                 detail = " ".join(str(exc).split())
                 raise PeerLostError(

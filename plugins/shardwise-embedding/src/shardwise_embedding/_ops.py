@@ -25,7 +25,16 @@ import torch.nn.functional as F
 from shardwise import Group
 from shardwise_embedding import _colwise, _rowwise
 from shardwise_embedding._agree import agree, agree_and_gather
-from shardwise_embedding._inputs import Bags, Options, Table, bags_of, check_ids, options_of, table_of
+from shardwise_embedding._inputs import (
+    Bags,
+    Options,
+    Table,
+    bags_of,
+    check_ids,
+    options_of,
+    table_of,
+    zeros_in_graph,
+)
 from shardwise_embedding._take import take_rows
 
 __all__ = ["sharded_embedding", "sharded_embedding_bag"]
@@ -139,13 +148,23 @@ def _embedding_alone(a: dict[str, Any], table: Table) -> torch.Tensor:
     return rows.view(*a["input"].shape, table.cols)
 
 
-def _embedding_bag_alone(a: dict[str, Any], table: Table, opts: Options, device: torch.device) -> torch.Tensor:
-    """``F.embedding_bag`` at world size 1 (arguments already checked): the dense op on the one local tensor."""
-    offsets, weights = a["offsets"], a["per_sample_weights"]
+def _embedding_bag_alone(table: Table, opts: Options, bags: Bags) -> torch.Tensor:
+    """``F.embedding_bag`` at world size 1 on the bags :func:`bags_of` made (arguments already checked).
+
+    The dense op gets the bags' own ids and starts, never the caller's raw
+    input: that way ids outside every bag are dropped and no-bag input gives
+    ``(0, D)`` exactly as on the general path (torch's kernel segfaults on
+    ids with empty ``offsets``, and pools past the last offset with
+    ``include_last_offset``).
+    """
+    whole = table.local[0][2]
+    if bags.count == 0:
+        return zeros_in_graph(table.on(whole.device), 0)
+    ids = bags.ids.to(whole.device)
+    starts = (torch.cumsum(bags.lengths, 0) - bags.lengths).to(whole.device)
+    weights = None if bags.weights is None else bags.weights.to(whole.device)
     return F.embedding_bag(
-        a["input"].to(device), table.local[0][2], None if offsets is None else offsets.to(device),
-        opts.max_norm, opts.norm_type, False, opts.mode, False, None if weights is None else weights.to(device),
-        bool(a["include_last_offset"]), opts.padding_idx,
+        ids, whole, starts, opts.max_norm, opts.norm_type, False, opts.mode, False, weights, False, opts.padding_idx
     )
 
 
@@ -160,7 +179,7 @@ def sharded_embedding_bag(args: Any, kwargs: dict[str, Any], process_group: Any)
         bags = bags_of(table, a["input"], a["offsets"], a["per_sample_weights"], bool(a["include_last_offset"]),
                        opts.mode)
         if not opts.scale_grad_by_freq:
-            return _embedding_bag_alone(a, table, opts, bags.ids.device)
+            return _embedding_bag_alone(table, opts, bags)
         # The dense op scales gradients by wrong counts (see _grad.pool_by_frequency): take the general path.
     error: Optional[Exception] = None
     pooled = table.dim == 0 and a["mode"] in ("sum", "mean")

@@ -160,6 +160,7 @@ class MpiProcessGroup(dist.ProcessGroup):
 
     def shutdown(self) -> None:
         """Free the group's communicator (``destroy_process_group`` calls this)."""
+        self._watch.close()
         comm, self.comm = self.comm, None
         if comm is not None and not _mpi().Is_finalized():
             comm.Free()

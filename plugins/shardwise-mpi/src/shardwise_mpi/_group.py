@@ -237,6 +237,7 @@ class MpiGroup(Group):
 
     def destroy(self) -> None:
         """Free the communicator (if this group made it); the group is unusable afterwards."""
+        self._watch.close()
         if self._owns_comm and self.comm != MPI.COMM_NULL and not MPI.Is_finalized():
             self.comm.Free()
         self._owns_comm = False

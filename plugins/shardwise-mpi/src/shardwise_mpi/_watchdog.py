@@ -22,6 +22,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from datetime import timedelta
 from types import TracebackType
 from typing import Any, Callable, Optional
@@ -35,21 +36,57 @@ ABORT_GRACE = 5.0
 
 
 def _abort(code: int) -> None:
-    """``MPI.COMM_WORLD.Abort(code)``, falling back to ``os._exit`` if it does not end the process."""
-    threading.Timer(ABORT_GRACE, os._exit, args=(code,)).start()
+    """``MPI.COMM_WORLD.Abort(code)`` (the caller has armed the ``os._exit`` fallback)."""
     from mpi4py import MPI
 
     MPI.COMM_WORLD.Abort(code)
     os._exit(code)  # pragma: no cover - Abort does not return
 
 
+# MPI error classes that mean the caller's arguments were wrong, not that the transport failed:
+# those stay MPI's own exception (a size bug must not read as a dead job).
+_ARGUMENT_ERRORS = (
+    "ERR_ARG", "ERR_BUFFER", "ERR_COUNT", "ERR_TYPE", "ERR_TAG", "ERR_COMM", "ERR_RANK", "ERR_ROOT",
+    "ERR_OP", "ERR_TRUNCATE", "ERR_DIMS", "ERR_TOPOLOGY",
+)
+
+
+def _transport_failure(error: BaseException) -> bool:
+    """Whether an mpi4py exception reports a failed peer or transport rather than a bad argument."""
+    try:
+        from mpi4py import MPI
+
+        kind = error.Get_error_class()  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001 - not an MPI.Exception after all
+        return False
+    return kind not in {getattr(MPI, name) for name in _ARGUMENT_ERRORS if hasattr(MPI, name)}
+
+
+def _watch(ref: weakref.ReferenceType[Watchdog], closed: threading.Event) -> None:
+    """The watchdog thread: look every interval until the watchdog fires, is closed, or is gone."""
+    while True:
+        dog = ref()
+        if dog is None:
+            return
+        interval = dog._interval()
+        del dog  # no strong reference while sleeping
+        if closed.wait(interval):
+            return
+        dog = ref()
+        if dog is None or dog._check():
+            return
+        del dog
+
+
 class Watchdog:
     """Ends the job when one blocking MPI call outlasts ``timeout``.
 
     Use it as ``with watchdog("all_reduce"): <blocking MPI call>``. Calls do
-    not nest: one group runs one collective at a time. An error MPI raises
-    inside the block (``mpi4py.MPI.Exception``) leaves it as
+    not nest: one group runs one collective at a time. A transport error MPI
+    raises inside the block (``mpi4py.MPI.Exception`` of a class other than
+    the argument errors: truncation, bad count, rank, type ...) leaves it as
     :class:`shardwise.errors.PeerLostError` naming the rank and collective.
+    Call :meth:`close` when the group is destroyed.
 
     Args:
         timeout: How long one call may block; None or non-positive
@@ -81,6 +118,7 @@ class Watchdog:
         self._since = 0.0
         self._thread: Optional[threading.Thread] = None
         self._lock = threading.Lock()
+        self._closed = threading.Event()
 
     def __call__(self, op: str) -> Watchdog:
         self._op_next = op
@@ -101,9 +139,8 @@ class Watchdog:
         tb: Optional[TracebackType],
     ) -> None:
         op, self._op = self._op_next, None
-        if value is not None and type(value).__module__.startswith("mpi4py"):
-            # MPI reported the failure itself (a peer's connection reset);
-            # arguments were checked before the call, so it is the transport.
+        if value is not None and type(value).__module__.startswith("mpi4py") and _transport_failure(value):
+            # MPI reported the failure itself (a peer's connection reset).
             from shardwise.errors import PeerLostError
 
             raise PeerLostError(
@@ -111,28 +148,46 @@ class Watchdog:
                 "stopped calling collectives; see the other ranks' logs. The group cannot be used any more."
             ) from value
 
+    def close(self) -> None:
+        """Stop the thread (the group is being destroyed); later calls are no longer watched."""
+        self.timeout = None
+        self._closed.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5.0)
+
     def _start(self) -> None:
         with self._lock:
-            if self._thread is None:
-                thread = threading.Thread(target=self._run, name="shardwise-mpi-watchdog", daemon=True)
+            if self._thread is None and not self._closed.is_set():
+                # The thread holds only a weak reference, so a group nobody uses any more
+                # (and its watchdog) can be collected even if destroy() was never called.
+                thread = threading.Thread(
+                    target=_watch, args=(weakref.ref(self), self._closed), name="shardwise-mpi-watchdog", daemon=True
+                )
                 thread.start()
                 self._thread = thread
 
-    def _run(self) -> None:
-        assert self.timeout is not None
+    def _check(self) -> bool:
+        """One look at the running call; True once the watchdog has fired (the thread then ends)."""
+        timeout = self.timeout
+        if timeout is None:
+            return True
+        op, since = self._op, self._since
+        if op is None or time.monotonic() - since <= timeout:
+            return False
+        if self._op is not op or self._since != since:
+            return False  # the call finished (and maybe another began) while we looked
+        self._expire(op, time.monotonic() - since)
+        return True
+
+    def _interval(self) -> float:
         # Check often enough that a timeout fires within ~10% of its value.
-        interval = min(1.0, max(0.05, self.timeout / 10))
-        while True:
-            time.sleep(interval)
-            op, since = self._op, self._since
-            if op is None or time.monotonic() - since <= self.timeout:
-                continue
-            if self._op is not op or self._since != since:
-                continue  # the call finished (and maybe another began) while we looked
-            self._expire(op, time.monotonic() - since)
-            return
+        return min(1.0, max(0.05, (self.timeout or 10.0) / 10))
 
     def _expire(self, op: str, waited: float) -> None:
+        if self._on_expiry is _abort:
+            # Armed before anything that could block (a flush on a full pipe), so the process ends regardless.
+            threading.Timer(ABORT_GRACE, os._exit, args=(EXIT_CODE,)).start()
         message = (
             f"shardwise: {self._where()}: {op} on {self._backend} has waited {waited:.1f} s for its "
             f"peers, longer than the group's timeout ({self.timeout:g} s, set by {self._how_to_set}). "

@@ -103,7 +103,7 @@ def _comparison(func: Any) -> Callable[..., Any]:
         error: Exception | None = None
         try:
             code = int(local(args, kwargs))  # 1: equal here, 0: not
-        except (TypeError, ValueError, RuntimeError) as exc:
+        except Exception as exc:  # noqa: BLE001 - any local failure joins the vote, so no peer waits
             error, code = exc, -(group.rank + 1)  # negative: failed here; "min" keeps the failure
         t = torch.tensor([code], dtype=torch.int64, device=group.device)
         group.all_reduce(t, op="min")
