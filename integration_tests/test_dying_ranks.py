@@ -210,7 +210,10 @@ def test_mpiexec_ends_the_job_when_a_rank_is_killed(phase: str, tmp_path: Path) 
 @pytest.mark.parametrize("phase", ["collective", "reshard"])
 def test_mpi_watchdog_aborts_the_job_when_a_rank_freezes(phase: str, tmp_path: Path) -> None:
     result = _mpi_job(3, phase, str(tmp_path / "unused"), "--how", "stop")
-    assert result.returncode != 0, result.stdout
+    # 124 is the status the watchdog passes to MPI_Abort (or os._exit); MPICH's own
+    # "application called MPI_Abort" line is not asserted: the process manager
+    # sometimes tears the job down before the library has written it.
+    assert result.returncode == 124, result.stdout
     found = re.search(
         r"shardwise: rank (\d) of 3: (.+?) on the mpi backend has waited ([\d.]+) s for its peers, longer than "
         rf"the group's timeout \({TIMEOUT} s",
@@ -219,4 +222,3 @@ def test_mpi_watchdog_aborts_the_job_when_a_rank_freezes(phase: str, tmp_path: P
     assert found, result.stdout
     assert found.group(1) in ("0", "2"), found.group(0)
     assert TIMEOUT <= float(found.group(3)) < TIMEOUT + SLACK, found.group(0)
-    assert "MPI_Abort(MPI_COMM_WORLD, 124)" in result.stdout, result.stdout
