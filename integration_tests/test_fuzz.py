@@ -12,7 +12,7 @@ raises an exception its docstring documents — never an ``IndexError``,
 * Box arithmetic (no processes): ``intersect``, the exchange's pieces,
   ``validate_non_overlapping`` and ``check_covering`` against brute-force
   sets of indices.
-* Reshard plans (no processes): ``_exchange.plan`` for random layouts on
+* Reshard plans (no processes): ``_plan.plan`` for random layouts on
   1-4 ranks moves each element exactly once from its owner to each target
   owner, and ``redistribute`` run by threads over an in-memory all-to-all
   rebuilds every target shard bit for bit.
@@ -52,7 +52,7 @@ from fuzz_ranks import (
 from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 
-from shardwise import _exchange
+from shardwise import _exchange, _plan
 from shardwise._metadata import check_covering, intersect, validate_non_overlapping
 from shardwise.sharded_tensor import Shard, ShardMetadata, ShardedTensorMetadata, TensorProperties
 from shardwise.sharding_spec import (
@@ -457,7 +457,7 @@ def test_intersections_match_brute_force(pair: tuple[tuple[list[int], list[int]]
     else:
         assert got is not None and _cells(*got) == expected
     # The exchange computes the same box, and where it starts inside each shard.
-    piece = _exchange._piece(ShardMetadata(ao, asz), 3, ShardMetadata(bo, bsz), 5)
+    piece = _plan._piece(ShardMetadata(ao, asz), 3, ShardMetadata(bo, bsz), 5)
     if not expected:
         assert piece is None
     else:
@@ -594,9 +594,17 @@ def check_plans(src: ShardedTensorMetadata, dst: ShardedTensorMetadata, world: i
 
 
 def simulate(
-    src: ShardedTensorMetadata, dst: ShardedTensorMetadata, world: int, dense: torch.Tensor, dtype: torch.dtype
+    src: ShardedTensorMetadata,
+    dst: ShardedTensorMetadata,
+    world: int,
+    dense: torch.Tensor,
+    dtype: torch.dtype,
+    rounds: int = 1,
 ) -> None:
-    """``redistribute`` on every rank (threads, in-memory wire); each target shard is its box of ``dense``."""
+    """``redistribute`` on every rank (threads, in-memory wire); each target shard is its box of ``dense``.
+
+    ``rounds`` > 1 moves the data in that many dim-0 slabs, one all-to-all each.
+    """
     wires = _Wires(world)
     groups = [_ThreadGroup(wires, r) for r in range(world)]
     results: list[Any] = [None] * world
@@ -608,7 +616,7 @@ def simulate(
                 for m in src.shards_metadata
                 if m.rank == r
             ]
-            results[r] = _exchange.redistribute(mine, src, dst, cast(Any, groups[r]), dtype=dtype)
+            results[r] = _exchange.redistribute(mine, src, dst, cast(Any, groups[r]), dtype=dtype, rounds=rounds)
         except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
             results[r] = exc
             wires.barrier.abort()
@@ -646,18 +654,19 @@ def plan_problems(draw: st.DrawFn) -> tuple[ShardedTensorMetadata, ShardedTensor
 
 
 @settings(FUZZ, max_examples=400)
-@given(plan_problems(), st.integers(0, 2**31))
+@given(plan_problems(), st.integers(0, 2**31), st.sampled_from([1, 1, 2, 3, 8]))
 def test_plans_move_every_element_once_and_redistribute_is_exact(
-    problem: tuple[ShardedTensorMetadata, ShardedTensorMetadata, int, str, str], seed: int
+    problem: tuple[ShardedTensorMetadata, ShardedTensorMetadata, int, str, str], seed: int, rounds: int
 ) -> None:
     src, dst, world, dtype, wire = problem
     event(f"{world} rank(s)")
+    event(f"{rounds} round(s)")
     check_plans(src, dst, world)
     dense = dense_of(list(src.size), dtype, seed)
     if wire != dtype and dtype.startswith("float"):
         # A cast of random bit patterns turns NaN payloads into the canonical NaN; keep the values finite.
         dense = dense_of(list(src.size), dtype, seed * 2)
-    simulate(src, dst, world, dense, DTYPES[wire])
+    simulate(src, dst, world, dense, DTYPES[wire], rounds)
 
 
 @FUZZ

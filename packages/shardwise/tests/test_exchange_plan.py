@@ -20,6 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as hst
 
 from shardwise._exchange import (
+    Piece,
     Plan,
     arrives_whole,
     box,
@@ -32,6 +33,7 @@ from shardwise._exchange import (
     unpack,
 )
 from shardwise._metadata import ShardMetadata, ShardedTensorMetadata, TensorProperties
+from shardwise._plan import MAX_ROUNDS, restrict, rounds_needed, slabs
 from shardwise.sharding_spec import ChunkShardingSpec
 
 
@@ -67,8 +69,13 @@ def _owners(md: ShardedTensorMetadata) -> torch.Tensor:
     return owner
 
 
-def simulate(src: ShardedTensorMetadata, dst: ShardedTensorMetadata, world: int) -> list[Plan]:
-    """Run every rank's plan with in-memory wires and check the result against the dense tensor."""
+def simulate(src: ShardedTensorMetadata, dst: ShardedTensorMetadata, world: int, rounds: int = 1) -> list[Plan]:
+    """Run every rank's plan with in-memory wires and check the result against the dense tensor.
+
+    With ``rounds`` > 1 the plans are cut into that many dim-0 slabs
+    (``restrict``) and each slab goes through its own wire, as
+    ``redistribute(..., rounds=...)`` does.
+    """
     size = tuple(src.size)
     dense = torch.arange(1, 1 + torch.Size(size).numel(), dtype=torch.float64).reshape(size)
     plans = [plan(src, dst, r, world) for r in range(world)]
@@ -80,9 +87,32 @@ def simulate(src: ShardedTensorMetadata, dst: ShardedTensorMetadata, world: int)
     for j, s in enumerate(dst.shards_metadata):
         assert s.placement is not None
         targets[s.placement.rank()][j] = torch.full(s.shard_sizes, -1.0, dtype=torch.float64)
+    if rounds > 1 and size and size[0] > 1:
+        for lo, hi in slabs(size[0], min(rounds, size[0])):
+            _wire([restrict(p, lo, hi) for p in plans], sources, targets)
+    else:
+        for r, flat in enumerate(_wire(plans, sources, targets)):
+            whole = arrives_whole(plans[r], dst)
+            if whole is not None:
+                # The receive buffer, as it is, is that target shard.
+                md = dst.shards_metadata[whole]
+                assert torch.equal(flat.view(md.shard_sizes), box(dense, md.shard_offsets, md.shard_sizes))
+    for j, s in enumerate(dst.shards_metadata):
+        assert s.placement is not None
+        got = targets[s.placement.rank()][j]
+        assert torch.equal(got, box(dense, s.shard_offsets, s.shard_sizes)), (j, s.describe())
+    return plans
+
+
+def _wire(
+    plans: list[Plan], sources: list[dict[int, torch.Tensor]], targets: list[dict[int, torch.Tensor]]
+) -> list[torch.Tensor]:
+    """One all-to-all of every rank's ``plans``, in memory; returns what each rank received."""
+    world = len(plans)
     wires = [pack(p, sources[r], torch.float64, torch.device("cpu")) for r, p in enumerate(plans)]
     for r, p in enumerate(plans):
         copy_local(p, sources[r], targets[r], torch.float64)
+    received = []
     for r, p in enumerate(plans):
         # What rank r receives: from each sender s, the slice of s's buffer meant for r.
         parts = []
@@ -95,16 +125,8 @@ def simulate(src: ShardedTensorMetadata, dst: ShardedTensorMetadata, world: int)
             into.copy_(flat)  # what the all-to-all does when given ``out=into``
         else:
             unpack(p, flat, targets[r])
-        whole = arrives_whole(p, dst)
-        if whole is not None:
-            # The receive buffer, as it is, is that target shard.
-            md = dst.shards_metadata[whole]
-            assert torch.equal(flat.view(md.shard_sizes), box(dense, md.shard_offsets, md.shard_sizes))
-    for j, s in enumerate(dst.shards_metadata):
-        assert s.placement is not None
-        got = targets[s.placement.rank()][j]
-        assert torch.equal(got, box(dense, s.shard_offsets, s.shard_sizes)), (j, s.describe())
-    return plans
+        received.append(flat)
+    return received
 
 
 def check_plans(src: ShardedTensorMetadata, dst: ShardedTensorMetadata, plans: list[Plan]) -> None:
@@ -134,6 +156,18 @@ def check_plans(src: ShardedTensorMetadata, dst: ShardedTensorMetadata, plans: l
             assert bool((count == 1).all()), (r, j, count)
     wire = any(n for p in plans for n in p.send_counts)
     assert all(p.needs_wire == wire for p in plans)
+
+
+def _locals(p: Plan) -> list[Piece]:
+    return list(p.local)
+
+
+def _sent(p: Plan) -> list[Piece]:
+    return [q for per_rank in p.send for q in per_rank]
+
+
+def _received(p: Plan) -> list[Piece]:
+    return [q for per_rank in p.recv for q in per_rank]
 
 
 def _on(md: ShardedTensorMetadata, rank: int) -> list[int]:
@@ -169,6 +203,25 @@ def test_random_layouts_move_every_element_once(
 ) -> None:
     src, dst, world = problem
     check_plans(src, dst, simulate(src, dst, world))
+
+
+@settings(max_examples=300, deadline=None)
+@given(problems(), hst.sampled_from([2, 3, 4, 8]))
+def test_random_layouts_moved_in_rounds_are_exact(
+    problem: tuple[ShardedTensorMetadata, ShardedTensorMetadata, int], rounds: int
+) -> None:
+    src, dst, world = problem
+    plans = simulate(src, dst, world, rounds)
+    rows = src.size[0] if len(src.size) else 0
+    for p in plans:
+        needed = rounds_needed(p, src, dst)
+        assert 1 <= needed <= MAX_ROUNDS
+        if rows > 1:
+            # The slabs cut every piece without losing or repeating an element.
+            cut = [restrict(p, lo, hi) for lo, hi in slabs(rows, min(rounds, rows))]
+            for pieces in (_locals, _sent, _received):
+                assert sum(q.numel for c in cut for q in pieces(c)) == sum(q.numel for q in pieces(p))
+            assert all(c.needs_wire == p.needs_wire for c in cut)
 
 
 def test_chunk_to_chunk_volumes() -> None:
@@ -293,3 +346,54 @@ def test_run_of_needs_consecutive_runs() -> None:
     assert run_of(t, flat, False, torch.float32) is not None
     assert run_of(t, [flat[0], flat[2]], False, torch.float32) is None  # a gap between them
     assert run_of(t.t(), flat, False, torch.float32) is None  # not contiguous
+
+
+def _buffers(p: Plan, src: ShardedTensorMetadata, dst: ShardedTensorMetadata) -> int:
+    """Elements this plan packs into a send buffer plus those it receives into a separate buffer."""
+    sources = {i: torch.zeros(m.shard_sizes, dtype=torch.float64) for i, m in enumerate(src.shards_metadata)}
+    targets = {j: torch.zeros(m.shard_sizes, dtype=torch.float64) for j, m in enumerate(dst.shards_metadata)}
+    sent = pack(p, sources, torch.float64, torch.device("cpu"))
+    # pack returns a view of a source when the pieces lie back to back there.
+    is_view = any(sent.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for t in sources.values())
+    into = receive_view(p, targets, torch.float64)
+    return (0 if is_view else sent.numel()) + (0 if into is not None else sum(p.recv_counts))
+
+
+def test_rounds_keep_each_ranks_buffers_within_its_shard() -> None:
+    # dim 0 <-> dim 1 on 4 ranks: a middle rank's outgoing pieces are strided and its incoming ones
+    # have a gap where its own block goes, so one all-to-all needs 3/4 + 3/4 of a shard in buffers.
+    rows, cols = _chunk([8, 8], 0, [0, 1, 2, 3]), _chunk([8, 8], 1, [0, 1, 2, 3])
+    for src, dst in ((rows, cols), (cols, rows)):
+        plans = [plan(src, dst, r, 4) for r in range(4)]
+        assert [_buffers(p, src, dst) for p in plans] == [12, 24, 24, 12]
+        needed = [rounds_needed(p, src, dst) for p in plans]
+        assert needed == [1, 2, 2, 1]
+        for lo, hi in slabs(8, max(needed)):
+            assert all(_buffers(restrict(p, lo, hi), src, dst) <= 16 for p in plans)
+        simulate(src, dst, 4, max(needed))
+    # On 2 ranks one side of the exchange is always a view: no rounds.
+    rows2, cols2 = _chunk([8, 8], 0, [0, 1]), _chunk([8, 8], 1, [0, 1])
+    assert [rounds_needed(plan(rows2, cols2, r, 2), rows2, cols2) for r in range(2)] == [1, 1]
+    # Nothing on the wire: one round, whatever the layout.
+    assert rounds_needed(plan(rows, rows, 1, 4), rows, rows) == 1
+
+
+def test_rounds_are_capped_by_rows_and_max_rounds() -> None:
+    # One row: no slab can cut it, so however large the buffers, one round.
+    wide_rows, wide_cols = _chunk([1, 64], 1, [0, 1, 2, 3]), _grid([1, 64], [[], [8, 24, 40]], [1, 3, 0, 2], [])
+    assert [rounds_needed(plan(wide_rows, wide_cols, r, 4), wide_rows, wide_cols) for r in range(4)] == [1] * 4
+    assert slabs(10, 4) == [(0, 2), (2, 5), (5, 7), (7, 10)]
+    assert slabs(3, 3) == [(0, 1), (1, 2), (2, 3)]
+
+
+def test_restrict_clips_pieces_to_a_slab() -> None:
+    src, dst = _chunk([8, 6], 0, [0, 1]), _chunk([8, 6], 1, [0, 1])
+    p = plan(src, dst, 0, 2)
+    (piece,) = p.send[1]  # rows 0..4, columns 3..6 of the whole tensor
+    assert (piece.offsets, piece.sizes) == ((0, 3), (4, 3))
+    (clipped,) = restrict(p, 1, 3).send[1]
+    assert (clipped.offsets, clipped.sizes, clipped.src_start, clipped.dst_start, clipped.numel) == (
+        (1, 3), (2, 3), (1, 3), (1, 0), 6
+    )
+    assert restrict(p, 4, 8).send[1] == () and restrict(p, 4, 8).needs_wire
+    assert restrict(p, 0, 8) == p

@@ -2,7 +2,7 @@
 
 Every layout change (``reshard``, ``shard_tensor``, ``gather``) is the same
 problem: source shards and target shards are boxes of one tensor, each
-placed on a rank. :func:`plan` works out, from metadata alone, which
+placed on a rank. :func:`~shardwise._plan.plan` works out, from metadata alone, which
 intersection box each rank sends to each other rank; :func:`redistribute`
 then packs those boxes into one flat send buffer (``narrow`` + ``copy_``,
 no per-element Python), runs a single ``all_to_all_single`` on its bytes
@@ -14,7 +14,11 @@ more in page faults than the transfer). Boxes whose source and target
 live on the same rank are copied directly and never touch the wire, so each
 element crosses the wire at most once, and no rank holds more than its own
 shards plus one send and one receive buffer. A target shard that arrives
-whole, in order, is the receive buffer itself (no copy).
+whole, in order, is the receive buffer itself (no copy). ``redistribute``
+can also move the data in slabs of dim 0, one all-to-all per slab
+(``rounds``; :mod:`shardwise._plan` says how many keep the buffers within
+the shard size), which is what ``reshard`` does on more than two ranks when
+the pieces are scattered.
 
 Nothing here checks that ranks agree; the entry points that do
 (``reshard``, ``gather``, ``full_tensor``, ``shard_tensor``) live in
@@ -25,182 +29,20 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping, NoReturn, Optional, Sequence
 
 import torch
 
 from shardwise import _memory
-from shardwise._metadata import ShardMetadata, ShardedTensorMetadata
+from shardwise._metadata import ShardedTensorMetadata
+from shardwise._plan import Piece, Plan, plan, restrict, row_major_start, run_span, slabs
 from shardwise.sharded_tensor._shard import Shard
 
 if TYPE_CHECKING:
     from shardwise._group import Group
 
+# Piece, Plan, plan and row_major_start live in shardwise._plan; re-exported for the callers here.
 __all__ = ["Piece", "Plan", "plan", "receive_view", "redistribute", "row_major_start", "run_of"]
-
-
-@dataclass(frozen=True)
-class Piece:
-    """One box of the tensor that moves from a source shard to a target shard.
-
-    Attributes:
-        src: Index of the source shard in the source metadata.
-        dst: Index of the target shard in the target metadata.
-        offsets: Start of the box in the whole tensor.
-        sizes: Size of the box.
-        src_start: Start of the box inside the source shard.
-        dst_start: Start of the box inside the target shard.
-        numel: Number of elements in the box.
-    """
-
-    src: int
-    dst: int
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-    src_start: tuple[int, ...]
-    dst_start: tuple[int, ...]
-    numel: int
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What one rank copies locally, sends and receives in a redistribution.
-
-    ``send[r]`` and ``recv[r]`` list pieces in (target index, source index)
-    order, which is the order rank r packs and unpacks them in, so sender
-    and receiver agree without exchanging anything. ``send[rank]`` and
-    ``recv[rank]`` are empty: those pieces are in ``local``.
-
-    Attributes:
-        rank: The rank this plan is for.
-        world_size: Number of ranks.
-        local: Pieces whose source and target are both on ``rank``.
-        send: Per destination rank, the pieces ``rank`` sends there.
-        recv: Per source rank, the pieces ``rank`` receives from there.
-        needs_wire: Whether any rank (not only this one) sends anything;
-            the same on every rank, so all skip the collective together.
-    """
-
-    rank: int
-    world_size: int
-    local: tuple[Piece, ...]
-    send: tuple[tuple[Piece, ...], ...]
-    recv: tuple[tuple[Piece, ...], ...]
-    needs_wire: bool
-
-    @property
-    def send_counts(self) -> list[int]:
-        """Elements sent to each rank."""
-        return [sum(p.numel for p in pieces) for pieces in self.send]
-
-    @property
-    def recv_counts(self) -> list[int]:
-        """Elements received from each rank."""
-        return [sum(p.numel for p in pieces) for pieces in self.recv]
-
-
-def _piece(a: ShardMetadata, i: int, b: ShardMetadata, j: int) -> Optional[Piece]:
-    """The box shared by source shard ``a`` (index i) and target shard ``b`` (index j)."""
-    offsets, sizes, a_start, b_start = [], [], [], []
-    numel = 1
-    for ao, asz, bo, bsz in zip(a.shard_offsets, a.shard_sizes, b.shard_offsets, b.shard_sizes, strict=True):
-        lo = ao if ao > bo else bo
-        hi = min(ao + asz, bo + bsz)
-        if hi <= lo:
-            return None
-        offsets.append(lo)
-        sizes.append(hi - lo)
-        a_start.append(lo - ao)
-        b_start.append(lo - bo)
-        numel *= hi - lo
-    return Piece(i, j, tuple(offsets), tuple(sizes), tuple(a_start), tuple(b_start), numel)
-
-
-def _ranks(shards: Sequence[ShardMetadata], ndim: int, what: str) -> list[int]:
-    ranks = []
-    for i, shard in enumerate(shards):
-        if shard.placement is None:
-            raise ValueError(f"{what} shard {i} ({shard.describe()}) has no placement")
-        if len(shard.shard_offsets) != ndim:
-            raise ValueError(f"{what} shard {i} ({shard.describe()}) has {len(shard.shard_offsets)} dims, not {ndim}")
-        ranks.append(shard.placement.rank())
-    return ranks
-
-
-def plan(
-    src_md: ShardedTensorMetadata, dst_md: ShardedTensorMetadata, rank: int, world_size: Optional[int] = None
-) -> Plan:
-    """Work out, from metadata only, what ``rank`` copies, sends and receives.
-
-    Both metadata must describe valid layouts (non-overlapping shards that
-    cover the tensor) of the same tensor size; empty shards are skipped.
-
-    Args:
-        src_md: The layout the data is in.
-        dst_md: The layout the data must end up in.
-        rank: The rank to plan for.
-        world_size: Number of ranks (default: one more than the highest
-            placement rank).
-
-    Returns:
-        The :class:`Plan`.
-
-    Raises:
-        ValueError: the sizes differ, a shard has no placement or the wrong
-            number of dims, or a placement is outside ``world_size``.
-    """
-    if list(src_md.size) != list(dst_md.size):
-        raise ValueError(f"source size {list(src_md.size)} and target size {list(dst_md.size)} differ")
-    src, dst = src_md.shards_metadata, dst_md.shards_metadata
-    ndim = len(src_md.size)
-    src_rank, dst_rank = _ranks(src, ndim, "source"), _ranks(dst, ndim, "target")
-    highest = max(src_rank + dst_rank, default=0)
-    world = highest + 1 if world_size is None else world_size
-    if highest >= world:
-        raise ValueError(f"a shard is placed on rank {highest}, outside a group of {world} rank(s)")
-    src_live = [i for i, s in enumerate(src) if s.numel() > 0]
-    src_mine = [i for i in src_live if src_rank[i] == rank]
-    local: list[Piece] = []
-    send: list[list[Piece]] = [[] for _ in range(world)]
-    recv: list[list[Piece]] = [[] for _ in range(world)]
-    for j, target in enumerate(dst):
-        if target.numel() == 0:
-            continue
-        to = dst_rank[j]
-        # Only intersections with this rank at one end concern it.
-        for i in src_live if to == rank else src_mine:
-            piece = _piece(src[i], i, target, j)
-            if piece is None:
-                continue
-            frm = src_rank[i]
-            if frm == to:
-                local.append(piece)
-            elif to == rank:
-                recv[frm].append(piece)
-            else:
-                send[to].append(piece)
-    needs_wire = any(send) or any(recv)
-    if not needs_wire:
-        needs_wire = _any_remote(src, src_rank, src_live, dst, dst_rank)
-    return Plan(rank, world, tuple(local), tuple(map(tuple, send)), tuple(map(tuple, recv)), needs_wire)
-
-
-def _any_remote(
-    src: Sequence[ShardMetadata],
-    src_rank: list[int],
-    src_live: list[int],
-    dst: Sequence[ShardMetadata],
-    dst_rank: list[int],
-) -> bool:
-    """Whether any pair of ranks exchanges data (this rank's own pairs have none)."""
-    for j, target in enumerate(dst):
-        if target.numel() == 0:
-            continue
-        for i in src_live:
-            if src_rank[i] != dst_rank[j] and _piece(src[i], i, target, j) is not None:
-                return True
-    return False
 
 
 # -- moving data -------------------------------------------------------------
@@ -243,15 +85,8 @@ def run_of(tensor: torch.Tensor, pieces: Sequence[Piece], at_src: bool, dtype: t
     """
     if not pieces or tensor.dtype != dtype or not tensor.is_contiguous():
         return None
-    first = pos = -1
-    for p in pieces:
-        start = row_major_start(p.src_start if at_src else p.dst_start, p.sizes, tuple(tensor.shape))
-        if start is None or (pos >= 0 and start != pos):
-            return None
-        if first < 0:
-            first = pos = start
-        pos += p.numel
-    return tensor.detach().reshape(-1)[first:pos]
+    span = run_span(pieces, tuple(tensor.shape), at_src)
+    return None if span is None else tensor.detach().reshape(-1)[span[0] : span[1]]
 
 
 def pack(pl: Plan, sources: Mapping[int, torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -311,13 +146,10 @@ def arrives_whole(pl: Plan, md: ShardedTensorMetadata) -> Optional[int]:
     if not pieces or md.tensor_properties.pin_memory:
         return None
     j = pieces[0].dst
+    if any(p.dst != j for p in pieces):
+        return None
     sizes = md.shards_metadata[j].shard_sizes
-    pos = 0
-    for p in pieces:
-        if p.dst != j or row_major_start(p.dst_start, p.sizes, sizes) != pos:
-            return None
-        pos += p.numel
-    return j if pos == math.prod(sizes) else None
+    return j if run_span(pieces, sizes, False) == (0, math.prod(sizes)) else None
 
 
 def execute(
@@ -403,6 +235,7 @@ def redistribute(
     *,
     dtype: Optional[torch.dtype] = None,
     trusted: bool = False,
+    rounds: int = 1,
 ) -> list[Shard]:
     """Move this rank's ``src_shards`` (laid out by ``src_md``) into the layout ``dst_md``.
 
@@ -420,6 +253,10 @@ def redistribute(
             before it is sent.
         trusted: The ranks have just agreed on both layouts (skip the
             all-to-all's handshake).
+        rounds: Move the data in this many slabs of dim 0, one all-to-all
+            each, so that the send and receive buffers are that much
+            smaller (the same on every rank; see
+            :func:`shardwise._plan.rounds_needed`).
 
     Returns:
         This rank's target shards, in ``dst_md`` order.
@@ -435,6 +272,12 @@ def redistribute(
         sources = match_sources(src_shards, src_md, group.rank)
     except ValueError as exc:
         _fail(group, exc, pl.needs_wire)
+    rows = dst_md.size[0] if len(dst_md.size) else 0
+    if rounds > 1 and rows > 1:
+        targets = _allocate(dst_md, group.rank, wire_dtype, skip=None)
+        for lo, hi in slabs(rows, min(rounds, rows)):
+            execute(restrict(pl, lo, hi), sources, targets, group, wire_dtype, trusted=trusted)
+        return _leaves(targets, dst_md)
     whole = arrives_whole(pl, dst_md)
     targets = _allocate(dst_md, group.rank, wire_dtype, skip=whole)
     flat = execute(pl, sources, targets, group, wire_dtype, trusted=trusted)
@@ -442,6 +285,11 @@ def redistribute(
         entry = dst_md.shards_metadata[whole]
         assert flat is not None and entry.placement is not None
         targets[whole] = flat.view(entry.shard_sizes).to(entry.placement.device())
+    return _leaves(targets, dst_md)
+
+
+def _leaves(targets: Mapping[int, torch.Tensor], dst_md: ShardedTensorMetadata) -> list[Shard]:
+    """The filled targets as shards in ``dst_md`` order, requiring grad as ``dst_md`` says."""
     requires_grad = dst_md.tensor_properties.requires_grad
     return [
         Shard(targets[j].requires_grad_() if requires_grad else targets[j], dst_md.shards_metadata[j])
@@ -454,29 +302,3 @@ def _fail(group: Group, exc: Exception, peers_waiting: bool) -> NoReturn:
     if peers_waiting:
         group.reject(exc)
     raise exc
-
-
-def row_major_start(offsets: Sequence[int], sizes: Sequence[int], full: Sequence[int]) -> Optional[int]:
-    """Flat index where box ``(offsets, sizes)`` starts in a row-major tensor of size ``full``.
-
-    Returns None unless the box is one contiguous run of that tensor's
-    memory: leading dims of size 1, then one dim of any extent, then dims
-    spanned whole. An empty box starts where its offsets point, so empty
-    trailing chunks line up with the end of the tensor.
-    """
-    start = 0
-    for o, n in zip(offsets, full, strict=True):
-        start = start * n + o
-    if math.prod(sizes) == 0:
-        return start
-    ndim = len(full)
-    # From the last dim backwards, dims spanned whole; then one free dim; then size-1 dims.
-    d = ndim - 1
-    while d >= 0 and offsets[d] == 0 and sizes[d] == full[d]:
-        d -= 1
-    d -= 1
-    while d >= 0:
-        if sizes[d] != 1:
-            return None
-        d -= 1
-    return start

@@ -33,6 +33,7 @@ from shardwise._metadata import (
     dtype_from_name,
     dtype_name,
 )
+from shardwise._plan import MAX_ROUNDS, rounds_needed
 from shardwise.errors import PeerError
 from shardwise.sharded_tensor._shard import Shard
 
@@ -432,14 +433,17 @@ def reshard_in_place(st: ShardedTensor, spec: ShardingSpec) -> ShardedTensor:
     try:
         if not isinstance(spec, ShardingSpec):
             raise TypeError(f"reshard takes a ShardingSpec, got {type(spec).__name__}")
-        mine = {"spec": spec.to_dict(), "layout": layout_digest(old)}
+        mine: dict[str, Any] = {"spec": spec.to_dict(), "layout": layout_digest(old)}
         target = build_target(spec, old, group, "reshard")
         have = match_sources(st._local_shards, old, group.rank)
+        # Each rank's own need; the exchange below makes every rank use the largest.
+        mine["rounds"] = rounds_needed(plan(old, target, group.rank, group.size), old, target)
     except (TypeError, ValueError) as exc:
         group.reject(exc, op="reshard")
     entries = group.exchange(mine, op="reshard")
     check_same([e["spec"] for e in entries], "resharding spec", "every rank must reshard to the same spec")
     check_same([e["layout"] for e in entries], "tensor's layout (digest of its metadata)", SAME_TENSOR)
+    rounds = _agreed_rounds([e.get("rounds") for e in entries])
     if target.shards_metadata == old.shards_metadata:
         # Same boxes on the same ranks: nothing moves, the shard tensors stay.
         shards = [
@@ -448,11 +452,22 @@ def reshard_in_place(st: ShardedTensor, spec: ShardingSpec) -> ShardedTensor:
             if e.rank == group.rank
         ]
     else:
-        shards = redistribute(st._local_shards, old, target, group, trusted=True)
+        shards = redistribute(st._local_shards, old, target, group, trusted=True, rounds=rounds)
     st._sharding_spec = spec
     st._metadata = target
     st._local_shards = shards
     return st
+
+
+def _agreed_rounds(counts: list[Any]) -> int:
+    """The largest round count the ranks asked for (every rank sees the same list, so all agree or all raise)."""
+    for rank, count in enumerate(counts):
+        if type(count) is not int or not 1 <= count <= MAX_ROUNDS:
+            raise ValueError(
+                f"reshard: rank {rank} sent the round count {count!r}, not an int from 1 to {MAX_ROUNDS}; "
+                "every rank must run the same shardwise version"
+            )
+    return max(int(count) for count in counts)
 
 
 def _empty(entry: ShardMetadata, props: TensorProperties) -> torch.Tensor:
