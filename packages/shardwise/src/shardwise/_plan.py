@@ -305,8 +305,9 @@ def rounds_needed(pl: Plan, src_md: ShardedTensorMetadata, dst_md: ShardedTensor
     from or received into a view of it). The answer is the fewest of 1, 2,
     4, 8 slabs in which every round's buffers hold at most as many elements
     as this rank's larger shard (source or target), so the new shard plus
-    the buffers stay within twice that; :data:`MAX_ROUNDS` if none does.
-    Ranks may need different counts: the caller agrees on the largest.
+    the buffers stay within twice that. If none does, one slab per row of
+    dim 0, at most :data:`MAX_ROUNDS`. Ranks may need different counts:
+    the caller agrees on the largest.
 
     Args:
         pl: This rank's plan from ``src_md`` to ``dst_md``.
