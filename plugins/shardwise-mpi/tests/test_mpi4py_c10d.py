@@ -108,8 +108,8 @@ def test_world_of_one_without_mpiexec(mode: str) -> None:
     # mpi4py: init_method="mpi4py://" on an MPI singleton; env: torch's env://
     # handler still runs when its variables are set; none: without variables
     # and without a launcher, torch's own env:// error comes through and MPI
-    # is not started. Also: registering imports no mpi4py, and PREMUL_SUM and
-    # recv-from-any-source fail with a message.
+    # is not started. Also: registering imports no mpi4py, PREMUL_SUM scales
+    # then sums (integers and recv-from-any-source fail with a message).
     extra = {}
     if mode == "env":
         extra = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}

@@ -19,6 +19,7 @@ from shardwise._runtime import (
     resolve_group,
 )
 from shardwise._scatter import shard_tensor
+from shardwise.api import _shard_tensor
 from shardwise.hookspecs import hookimpl
 from shardwise.sharded_tensor import (
     Shard,
@@ -26,6 +27,8 @@ from shardwise.sharded_tensor import (
     ShardedTensor,
     ShardedTensorMetadata,
     TensorProperties,
+    from_torch,
+    to_torch,
 )
 from shardwise.sharder import Sharder
 from shardwise.sharding_plan import ShardingPlan
@@ -39,6 +42,7 @@ from shardwise.sharding_spec import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "_shard_tensor",
     "DEFAULT_TIMEOUT",
     "Availability",
     "Backend",
@@ -58,6 +62,7 @@ __all__ = [
     "ShardingSpec",
     "TensorProperties",
     "destroy",
+    "from_torch",
     "get_default_group",
     "hookimpl",
     "init",
@@ -67,4 +72,5 @@ __all__ = [
     "shard_module",
     "shard_parameter",
     "shard_tensor",
+    "to_torch",
 ]

@@ -10,10 +10,11 @@ plugin manager; it only invalidates one that is already built.
 from __future__ import annotations
 
 import functools
+import inspect
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from shardwise._records import ShardedOp
+from shardwise._records import ShardedOp, qualified_name
 from shardwise.hookspecs import hookimpl
 
 if TYPE_CHECKING:
@@ -63,10 +64,36 @@ def _remove(op: Any, spec: type) -> None:
         current.invalidate()
 
 
+def _check_signature(decorator: str, func: Any, impl: Any) -> None:
+    """Raise unless ``impl`` takes the four arguments every sharded op is called with.
+
+    Raises:
+        TypeError: ``impl`` is not callable or takes another number of
+            parameters (the message carries torch 2.13's wording).
+    """
+    if not callable(impl):
+        raise TypeError(f"{decorator}({qualified_name(func)}) decorates a callable, got {type(impl).__name__}")
+    try:
+        signature = inspect.signature(impl)
+    except (TypeError, ValueError):
+        return  # a builtin without introspectable parameters: it is called as any other impl
+    if len(signature.parameters) != 4:
+        name = getattr(impl, "__qualname__", repr(impl))
+        raise TypeError(
+            f"{decorator}({qualified_name(func)}): {name}{signature} cannot be called as a sharded op; it must "
+            f"take exactly (types, args, kwargs, process_group). Custom sharded op function expects signature: "
+            f"(types, args, kwargs, process_group), but received signature: {signature}"
+        )
+
+
 def custom_sharded_op_impl(func: Any) -> Callable[[Impl], Impl]:
     """Register ``impl(types, args, kwargs, process_group)`` for ``func`` on every spec.
 
     It takes precedence over every plugin's implementation of ``func``.
+
+    Raises:
+        TypeError: the decorated function does not take exactly
+            ``(types, args, kwargs, process_group)``.
 
     Example::
 
@@ -77,6 +104,7 @@ def custom_sharded_op_impl(func: Any) -> Callable[[Impl], Impl]:
     from shardwise.sharding_spec import ShardingSpec
 
     def decorator(impl: Impl) -> Impl:
+        _check_signature("custom_sharded_op_impl", func, impl)
         _add(ShardedOp(op=func, spec=ShardingSpec, impl=impl, description="custom_sharded_op_impl", override=True))
         return impl
 
@@ -90,7 +118,9 @@ def custom_sharding_spec_op(sharding_spec_class: type, func: Any) -> Callable[[I
     that spec class and its subclasses.
 
     Raises:
-        TypeError: ``sharding_spec_class`` is not a ShardingSpec subclass.
+        TypeError: ``sharding_spec_class`` is not a ShardingSpec subclass, or
+            the decorated function does not take exactly
+            ``(types, args, kwargs, process_group)``.
     """
     from shardwise.sharding_spec import ShardingSpec
 
@@ -98,6 +128,7 @@ def custom_sharding_spec_op(sharding_spec_class: type, func: Any) -> Callable[[I
         raise TypeError(f"custom_sharding_spec_op needs a ShardingSpec subclass, got {sharding_spec_class!r}")
 
     def decorator(impl: Impl) -> Impl:
+        _check_signature("custom_sharding_spec_op", func, impl)
         _add(
             ShardedOp(
                 op=func, spec=sharding_spec_class, impl=impl, description="custom_sharding_spec_op", override=True

@@ -193,6 +193,9 @@ def execute(
 def match_sources(shards: Sequence[Shard], md: ShardedTensorMetadata, rank: int) -> dict[int, torch.Tensor]:
     """Map this rank's shards to their index in ``md``.
 
+    ``rank`` is this rank's global rank (``Group.global_rank``): placements
+    name global ranks.
+
     Raises:
         ValueError: a shard is not in ``md`` for this rank, or a non-empty
             entry of ``md`` on this rank has no shard.
@@ -214,11 +217,15 @@ def match_sources(shards: Sequence[Shard], md: ShardedTensorMetadata, rank: int)
     return out
 
 
-def _allocate(md: ShardedTensorMetadata, rank: int, dtype: torch.dtype, skip: Optional[int]) -> dict[int, torch.Tensor]:
+def _allocate(
+    md: ShardedTensorMetadata, owners: Sequence[int], rank: int, dtype: torch.dtype, skip: Optional[int]
+) -> dict[int, torch.Tensor]:
+    """Empty target shards for the entries of ``md`` that ``owners`` (group ranks, from the plan) give ``rank``."""
     pin = md.tensor_properties.pin_memory and torch.cuda.is_available()
     out = {}
     for j, entry in enumerate(md.shards_metadata):
-        if entry.placement is not None and entry.placement.rank() == rank and j != skip:
+        if owners[j] == rank and j != skip:
+            assert entry.placement is not None
             device = entry.placement.device()
             if pin and device.type == "cpu":
                 out[j] = torch.empty(entry.shard_sizes, dtype=dtype, device=device, pin_memory=True)
@@ -248,7 +255,7 @@ def redistribute(
         src_shards: This rank's shards of the source layout.
         src_md: The source layout (the same on every rank).
         dst_md: The target layout (the same on every rank).
-        group: The group the shards' placements refer to.
+        group: The group the shards live in (placements name its members' global ranks).
         dtype: Dtype of the targets (default: the source's); data is cast
             before it is sent.
         trusted: The ranks have just agreed on both layouts (skip the
@@ -267,19 +274,19 @@ def redistribute(
             :class:`~shardwise.errors.PeerError`).
     """
     wire_dtype = dtype if dtype is not None else src_md.tensor_properties.dtype
-    pl = plan(src_md, dst_md, group.rank, group.size)
+    pl = plan(src_md, dst_md, group.rank, group.size, group.global_to_group())
     try:
-        sources = match_sources(src_shards, src_md, group.rank)
+        sources = match_sources(src_shards, src_md, group.global_rank)
     except ValueError as exc:
         _fail(group, exc, pl.needs_wire)
     rows = dst_md.size[0] if len(dst_md.size) else 0
     if rounds > 1 and rows > 1:
-        targets = _allocate(dst_md, group.rank, wire_dtype, skip=None)
+        targets = _allocate(dst_md, pl.dst_owner, group.rank, wire_dtype, skip=None)
         for lo, hi in slabs(rows, min(rounds, rows)):
             execute(restrict(pl, lo, hi), sources, targets, group, wire_dtype, trusted=trusted)
         return _leaves(targets, dst_md)
     whole = arrives_whole(pl, dst_md)
-    targets = _allocate(dst_md, group.rank, wire_dtype, skip=whole)
+    targets = _allocate(dst_md, pl.dst_owner, group.rank, wire_dtype, skip=whole)
     flat = execute(pl, sources, targets, group, wire_dtype, trusted=trusted)
     if whole is not None:
         entry = dst_md.shards_metadata[whole]

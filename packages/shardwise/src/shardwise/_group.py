@@ -27,7 +27,7 @@ from typing import Any, NoReturn, Optional, Sequence
 import torch
 
 from shardwise import _memory, _wire
-from shardwise._group_base import VERIFY_ENV, GroupBase
+from shardwise._group_base import VERIFY_ENV, GroupBase, _global_ranks
 from shardwise._handshake import (
     STATUS_ERRORS,
     Call,
@@ -66,6 +66,11 @@ class Group(GroupBase):
         devices: Device types the backend moves without staging.
         verify: Run the handshake on every collective (default: True, or
             ``SHARDWISE_VERIFY_COLLECTIVES``).
+        ranks: The global rank (rank in the world group) of each rank of
+            this group, in group-rank order; None when they are the same
+            numbers (the world group itself). Placements name global
+            ranks; a group made by :meth:`new_group` learns them from its
+            parent when its backend does not set them.
     """
 
     # -- public collectives --------------------------------------------------
@@ -522,4 +527,14 @@ class Group(GroupBase):
             self._check_same(rows, lambda r: [m for m, flag in enumerate(rows.splits_a(r)) if flag],
                              what="members of the new group")
         members = [r for r, flag in enumerate(call.splits_a) if flag]
-        return self._new_group(members)
+        sub = self._new_group(members)
+        if sub is not None and sub._global_ranks is None:
+            # The backend numbered the sub-group only within itself; its members' global ranks follow from ours.
+            sub._set_global_ranks([self.ranks[m] for m in members])
+        return sub
+
+    def _set_global_ranks(self, ranks: Sequence[int]) -> None:
+        """Record the members' global ranks after construction (see ``ranks`` in the class docstring)."""
+        self._global_ranks = _global_ranks(ranks, self._size)
+        self._rank_of = None if self._global_ranks is None else {g: r for r, g in enumerate(self._global_ranks)}
+

@@ -32,6 +32,16 @@ __all__ = ["VERIFY_ENV", "GroupBase"]
 VERIFY_ENV = "SHARDWISE_VERIFY_COLLECTIVES"
 
 
+def _global_ranks(ranks: Optional[Sequence[int]], size: int) -> Optional[tuple[int, ...]]:
+    """``ranks`` as a tuple, or None when group rank r is global rank r (nothing to translate)."""
+    if ranks is None:
+        return None
+    out = tuple(int(r) for r in ranks)
+    if len(out) != size or len(set(out)) != size or any(r < 0 for r in out):
+        raise ValueError(f"ranks must list {size} distinct non-negative global ranks, got {list(out)}")
+    return None if out == tuple(range(size)) else out
+
+
 class GroupBase(abc.ABC):
     """Identity, backend primitives and the handshake; see :class:`~shardwise.Group`."""
 
@@ -44,9 +54,14 @@ class GroupBase(abc.ABC):
         device: torch.device,
         devices: Sequence[str] = ("cpu",),
         verify: Optional[bool] = None,
+        ranks: Optional[Sequence[int]] = None,
     ) -> None:
-        if size < 1 or not 0 <= rank < size:
+        if self.is_member and (size < 1 or not 0 <= rank < size):
             raise ValueError(f"rank {rank} is outside a group of size {size}")
+        self._global_ranks = _global_ranks(ranks, size)
+        self._rank_of: Optional[dict[int, int]] = (
+            None if self._global_ranks is None else {g: r for r, g in enumerate(self._global_ranks)}
+        )
         self._backend = backend
         self._rank = rank
         self._size = size
@@ -89,9 +104,63 @@ class GroupBase(abc.ABC):
         """Device whose tensors the backend moves natively."""
         return self._device
 
+    #: False only for the stand-in a rank outside a subgroup gets (see ``NonMemberGroup``).
+    is_member: bool = True
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """The global rank (rank in the default, world group) of each rank of this group, in group-rank order.
+
+        Placements (``rank:R/DEVICE``) name global ranks, as in torch
+        (``torch.distributed.get_process_group_ranks``).
+        """
+        if self._global_ranks is None:
+            return tuple(range(self._size))
+        return self._global_ranks
+
+    def global_to_group(self) -> Optional[dict[int, int]]:
+        """Group rank by global rank; None when they are the same numbers (the world group, or its first ranks).
+
+        For code that translates many placement ranks at once; None lets it
+        skip the translation.
+        """
+        return None if self._rank_of is None else dict(self._rank_of)
+
+    @property
+    def global_rank(self) -> int:
+        """This process's global rank (its rank in the default, world group)."""
+        return self._rank if self._global_ranks is None else self._global_ranks[self._rank]
+
+    def group_rank(self, global_rank: int) -> int:
+        """The rank in this group of the process whose global rank is ``global_rank``.
+
+        Raises:
+            ValueError: that process is not a member of this group (the
+                message carries torch's wording for the same error).
+        """
+        if self._global_ranks is None:
+            if isinstance(global_rank, int) and 0 <= global_rank < self._size:
+                return global_rank
+        else:
+            assert self._rank_of is not None
+            found = self._rank_of.get(global_rank)
+            if found is not None:
+                return found
+        raise ValueError(
+            f"global rank {global_rank} is not a member of this group ({self.describe_members()}): "
+            f"Global rank {global_rank} does not exist in input process group: {list(self.ranks)}"
+        )
+
+    def describe_members(self) -> str:
+        """``"0..3"``, or ``"global ranks [1, 2]"`` for a subgroup, for error messages."""
+        if self._global_ranks is None:
+            return f"0..{self._size - 1}"
+        return f"global ranks {list(self._global_ranks)}; placements name global ranks, as in torch"
+
     def __repr__(self) -> str:
         name = type(self).__name__
-        return f"<{name} backend={self.backend!r} rank={self.rank} size={self.size} device={self.device}>"
+        ranks = "" if self._global_ranks is None else f" ranks={list(self._global_ranks)}"
+        return f"<{name} backend={self.backend!r} rank={self.rank} size={self.size}{ranks} device={self.device}>"
 
     # -- primitives a backend implements -------------------------------------
     @abc.abstractmethod

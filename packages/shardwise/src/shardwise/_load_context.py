@@ -50,8 +50,10 @@ def load_with_process_group(process_group: Any) -> Iterator[Any]:
     """Load ShardedTensors (``torch.load``) into ``process_group`` inside this block.
 
     Args:
-        process_group: A shardwise ``Group``, a torch ``ProcessGroup``, or
-            None for the default group.
+        process_group: A shardwise ``Group``, a torch ``ProcessGroup``,
+            None for the default group, or (on a rank outside the group)
+            torch's ``GroupMember.NON_GROUP_MEMBER``: tensors then load
+            with no local shards, as in torch.
 
     Yields:
         ``process_group``, as torch 2.13 does.
@@ -198,7 +200,8 @@ def restore_sharded_tensor(st: ShardedTensor, state: Any) -> None:
         _check_same("Global", "rank", saved_default["rank"], now_default["rank"])
         _check_same("Global", "world size", saved_default["size"], now_default["size"])
     metadata = ShardedTensorMetadata.from_dict(state["metadata"])
-    mine = [md for md in metadata.shards_metadata if md.rank == group.rank]
+    # Placements name global ranks (a rank outside the group, global_rank -1, holds none).
+    mine = [md for md in metadata.shards_metadata if md.rank == group.global_rank]
     local = []
     for entry in state["local_shards"]:
         md = ShardMetadata.from_dict(entry["metadata"])
@@ -207,7 +210,7 @@ def restore_sharded_tensor(st: ShardedTensor, state: Any) -> None:
         if same is None:
             raise RuntimeError(
                 f"saved local shard ({md.describe()}) is not among the global metadata's shards for rank "
-                f"{group.rank}: {[m.describe() for m in mine]}"
+                f"{group.global_rank}: {[m.describe() for m in mine]}"
             )
         mine.remove(same)
         local.append(Shard(entry["tensor"], same))

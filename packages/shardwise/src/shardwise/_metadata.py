@@ -8,14 +8,18 @@ because that is the form in which metadata crosses between ranks
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Sequence, Union
 
 import torch
 
+from shardwise._validation import check_covering, validate_non_overlapping
+from shardwise.errors import ShardwiseError
+
 __all__ = [
     "Placement",
+    "PlacementError",
+    "PlacementTypeError",
     "ShardMetadata",
     "ShardedTensorMetadata",
     "TensorProperties",
@@ -24,84 +28,173 @@ __all__ = [
     "validate_non_overlapping",
 ]
 
-_PLACEMENT_RE = re.compile(r"^rank:(-?\d+)/(.+)$")
+_PARSE_HINT = "The valid format is '<workername>/<device>' or 'rank:<rank>/<device>' or '<device>'"
+
+
+class PlacementError(ShardwiseError, ValueError, RuntimeError):
+    """A placement names a device torch does not know (``rank:0/cuda:x``, ``rank:0/foo``).
+
+    Both a ``ValueError`` (what shardwise raised for every malformed
+    placement) and a ``RuntimeError`` (what torch 2.13 raises for a bad
+    device string), so ``except`` clauses written for either keep working.
+    """
+
+
+class PlacementTypeError(ShardwiseError, TypeError, ValueError):
+    """A placement is neither a string, a ``torch.device`` nor a placement object.
+
+    A ``TypeError`` as in torch 2.13, and a ``ValueError`` as shardwise raised before.
+    """
+
+
+def _parse_device(device: Any, spec: Any) -> torch.device:
+    try:
+        return torch.device(device)
+    except RuntimeError as exc:
+        raise PlacementError(f"invalid placement {spec!r}: {str(device)!r} is not a torch device: {exc}") from None
+
+
+def _is_device(text: str) -> bool:
+    try:
+        torch.device(text)
+    except RuntimeError:
+        return False
+    return True
 
 
 class Placement:
-    """Where a shard lives: ``rank:R/DEVICE`` (``rank:0/cpu``, ``rank:3/cuda:1``).
+    """Where a shard lives, in the forms ``torch.distributed._remote_device`` accepts.
 
-    ``R`` is a rank of the group the tensor lives in. The methods mirror
-    ``torch.distributed._remote_device`` so code written for torch keeps
-    working: ``placement.rank()``, ``placement.device()``.
+    * ``rank:R/DEVICE`` (``rank:0/cpu``, ``rank:3/cuda:1``): global rank
+      ``R`` (a rank of the default, world group, as in torch; it must be a
+      member of the tensor's process group), on ``DEVICE``;
+    * ``rank:R``: global rank ``R``, on the CPU;
+    * ``DEVICE`` (``"cpu"``, ``"cuda:0"``) or a ``torch.device``: a device
+      without a rank. ``rank()`` is None; as in torch, a shard placed so
+      is held by no rank (a tensor built from such a spec has no local
+      shards), and operations that must move its data refuse it;
+    * ``WORKER/DEVICE`` or ``WORKER``: a torch RPC worker name (``rank()``
+      None, ``worker_name()`` the name); parsed as torch does, but sharded
+      tensors cannot use it, as shardwise does not support RPC.
+
+    The methods mirror ``_remote_device``: ``rank()``, ``device()``,
+    ``worker_name()``; a placement compares equal to its string form and
+    to a ``_remote_device`` with the same fields.
 
     Args:
-        spec: A ``rank:R/DEVICE`` string, another :class:`Placement`, or a
-            ``torch.distributed._remote_device`` that names a rank.
+        spec: A string of one of those forms, a ``torch.device``, another
+            :class:`Placement`, or a ``torch.distributed._remote_device``.
 
     Raises:
-        ValueError: the string is not of that form, the rank is negative,
-            or the device is not a torch device.
+        ValueError: the string is not of one of those forms (or has a
+            negative rank); the message carries torch's "Could not parse
+            remote_device" wording.
+        PlacementError: the device is not a torch device (a ``ValueError``
+            and, as in torch, a ``RuntimeError``).
+        PlacementTypeError: ``spec`` is of another type (a ``TypeError``,
+            as in torch, and a ``ValueError``).
     """
 
-    __slots__ = ("_rank", "_device")
-    _rank: int
+    __slots__ = ("_rank", "_device", "_worker")
+    _rank: Optional[int]
     _device: torch.device
+    _worker: Optional[str]
 
-    def __init__(self, spec: Union[str, Placement, Any]) -> None:
+    def __init__(self, spec: Union[str, Placement, torch.device, Any]) -> None:
         if isinstance(spec, Placement):
-            self._rank, self._device = spec._rank, spec._device
+            self._rank, self._device, self._worker = spec._rank, spec._device, spec._worker
+            return
+        if isinstance(spec, torch.device):
+            self._rank, self._device, self._worker = None, spec, None
             return
         if not isinstance(spec, str):
-            rank = getattr(spec, "rank", None)
-            device = getattr(spec, "device", None)
-            if callable(rank) and callable(device) and rank() is not None:
-                spec = f"rank:{rank()}/{device()}"
-            else:
-                raise ValueError(
-                    f"placement must be a string of the form 'rank:R/DEVICE' (e.g. 'rank:0/cpu'), got {spec!r}"
+            rank, device, worker = (getattr(spec, name, None) for name in ("rank", "device", "worker_name"))
+            if not (callable(rank) and callable(device)):
+                raise PlacementTypeError(
+                    f"a placement must be a 'rank:R/DEVICE' string (e.g. 'rank:0/cpu'), a device string, a "
+                    f"torch.device or a placement object, got {type(spec).__name__} {spec!r:.80}: "
+                    f"Invalid type for remote_device: {type(spec)}"
                 )
-        match = _PLACEMENT_RE.match(spec.strip())
-        if match is None:
-            raise ValueError(
-                f"invalid placement {spec!r}: expected 'rank:R/DEVICE' with R a rank of the group "
-                "(e.g. 'rank:0/cpu', 'rank:1/cuda:0')"
-            )
-        rank = int(match.group(1))
-        if rank < 0:
-            raise ValueError(f"invalid placement {spec!r}: rank must be >= 0")
-        try:
-            device = torch.device(match.group(2))
-        except RuntimeError as exc:
-            raise ValueError(f"invalid placement {spec!r}: {match.group(2)!r} is not a torch device ({exc})") from None
-        self._rank = rank
-        self._device = device
+            self._rank = None if rank() is None else int(rank())
+            self._device = _parse_device(device(), spec)
+            self._worker = worker() if callable(worker) else None
+            return
+        self._rank, self._device, self._worker = self._parse(spec)
 
-    def rank(self) -> int:
-        """The rank (in the tensor's group) that holds the shard."""
+    @staticmethod
+    def _parse(spec: str) -> tuple[Optional[int], torch.device, Optional[str]]:
+        def invalid(why: str) -> ValueError:
+            return ValueError(
+                f"invalid placement {spec!r}: {why} (e.g. 'rank:0/cpu', 'rank:1/cuda:0', 'rank:0', 'cpu'). "
+                f"Could not parse remote_device: {spec}. {_PARSE_HINT}"
+            )
+
+        fields = spec.strip().split("/")
+        if len(fields) > 2:
+            raise invalid("expected at most one '/'")
+        if len(fields) == 2:
+            worker, device_text = fields
+        elif _is_device(fields[0]):
+            return None, torch.device(fields[0]), None
+        else:
+            worker, device_text = fields[0], "cpu"
+        if not worker:
+            raise invalid("nothing before the '/'")
+        device = _parse_device(device_text, spec)
+        parts = worker.split(":")
+        if len(parts) > 2 or (len(parts) == 2 and parts[0] != "rank"):
+            raise invalid("expected 'rank:R' before the '/'")
+        if len(parts) == 1:
+            return None, device, worker
+        text = parts[1].strip()
+        if text.startswith("-") and text[1:].isdigit():
+            raise invalid("rank must be >= 0")
+        if not text.isdigit():
+            raise invalid(f"rank {parts[1]!r} is not an integer")
+        return int(text), device, None
+
+    def rank(self) -> Optional[int]:
+        """The global rank that holds the shard (None for a placement without one)."""
         return self._rank
 
     def device(self) -> torch.device:
         """The device the shard lives on."""
         return self._device
 
+    def worker_name(self) -> Optional[str]:
+        """The torch RPC worker name, for a ``WORKER/DEVICE`` placement (else None)."""
+        return self._worker
+
+    def with_device(self, device: Union[str, torch.device]) -> Placement:
+        """The same rank (or worker) on ``device``."""
+        out = Placement(self)
+        out._device = _parse_device(device, device)
+        return out
+
     def __str__(self) -> str:
-        return f"rank:{self._rank}/{self._device}"
+        if self._rank is not None:
+            return f"rank:{self._rank}/{self._device}"
+        if self._worker is not None:
+            return f"{self._worker}/{self._device}"
+        return str(self._device)
 
     def __repr__(self) -> str:
         return f"Placement('{self}')"
 
     def __eq__(self, other: object) -> bool:
-        if isinstance(other, str):
+        if isinstance(other, (str, torch.device)) or (
+            not isinstance(other, Placement) and callable(getattr(other, "rank", None))
+        ):
             try:
                 other = Placement(other)
-            except ValueError:
+            except (ValueError, TypeError, RuntimeError):
                 return False
         if not isinstance(other, Placement):
             return NotImplemented
-        return self._rank == other._rank and self._device == other._device
+        return (self._rank, self._device, self._worker) == (other._rank, other._device, other._worker)
 
     def __hash__(self) -> int:
-        return hash((self._rank, str(self._device)))
+        return hash((self._rank, str(self._device), self._worker))
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (Placement, (str(self),))
@@ -148,8 +241,9 @@ class ShardMetadata:
     Args:
         shard_offsets: Start of the shard in each dimension of the tensor.
         shard_sizes: Size of the shard in each dimension.
-        placement: ``rank:R/DEVICE`` string or :class:`Placement` (or None
-            for a shard whose placement is not yet known).
+        placement: A placement in any form :class:`Placement` takes
+            (``rank:R/DEVICE`` with ``R`` a global rank, ``rank:R``, a
+            device), or None for a shard whose placement is not yet known.
 
     Raises:
         TypeError: offsets or sizes are not sequences of integers.
@@ -168,19 +262,20 @@ class ShardMetadata:
         self.shard_offsets = _as_int_list(shard_offsets, "shard_offsets")
         self.shard_sizes = _as_int_list(shard_sizes, "shard_sizes")
         self.placement: Optional[Placement] = None if placement is None else Placement(placement)
+        # The messages also carry torch 2.13's wording, which code written for it matches on.
         if len(self.shard_offsets) != len(self.shard_sizes):
             raise ValueError(
-                f"shard_offsets and shard_sizes must have the same number of dimensions, got "
-                f"offsets {self.shard_offsets} and sizes {self.shard_sizes}"
+                f"shard_offsets and shard_sizes must have the same number of dimensions (the same number of "
+                f"elements), got offsets {self.shard_offsets} and sizes {self.shard_sizes}"
             )
         if any(o < 0 for o in self.shard_offsets):
-            raise ValueError(f"shard_offsets must be >= 0, got {self.shard_offsets}")
+            raise ValueError(f"shard_offsets must be >= 0 (shard_offsets should be >=0), got {self.shard_offsets}")
         if any(s < 0 for s in self.shard_sizes):
-            raise ValueError(f"shard_sizes must be >= 0, got {self.shard_sizes}")
+            raise ValueError(f"shard_sizes must be >= 0 (shard_sizes should be >= 0), got {self.shard_sizes}")
 
     @property
     def rank(self) -> Optional[int]:
-        """The placement's rank, or None without a placement."""
+        """The placement's (global) rank, or None without a placement or a rank."""
         return None if self.placement is None else self.placement.rank()
 
     def numel(self) -> int:
@@ -429,71 +524,3 @@ def intersect(
         sizes.append(hi - lo)
     return offsets, sizes
 
-
-def validate_non_overlapping(shards: Sequence[ShardMetadata]) -> None:
-    """Raise if two non-empty shards overlap.
-
-    Raises:
-        ValueError: naming the first overlapping pair and their boxes, or
-            two shards with different numbers of dimensions.
-    """
-    for i, shard in enumerate(shards):
-        if len(shard.shard_offsets) != len(shards[0].shard_offsets):
-            raise ValueError(
-                f"shards 0 ({shards[0].describe()}) and {i} ({shard.describe()}) have different numbers "
-                "of dimensions"
-            )
-    nonempty = [(i, s) for i, s in enumerate(shards) if s.numel() > 0]
-    if not nonempty:
-        return
-    ndim = len(nonempty[0][1].shard_offsets)
-    # Sweep along dim 0 so only shards whose dim-0 ranges overlap are compared.
-    order = sorted(nonempty, key=lambda item: item[1].shard_offsets[0] if ndim else 0)
-    active: list[tuple[int, ShardMetadata]] = []
-    for i, shard in order:
-        start = shard.shard_offsets[0] if ndim else 0
-        active = [(j, s) for j, s in active if ndim == 0 or s.shard_offsets[0] + s.shard_sizes[0] > start]
-        for j, other in active:
-            if intersect(other.shard_offsets, other.shard_sizes, shard.shard_offsets, shard.shard_sizes) is not None:
-                first, second = sorted([(j, other), (i, shard)], key=lambda item: item[0])
-                raise ValueError(
-                    f"shards {first[0]} ({first[1].describe()}) and {second[0]} ({second[1].describe()}) overlap"
-                )
-        active.append((i, shard))
-
-
-def check_covering(shards: Sequence[ShardMetadata], tensor_size: Sequence[int]) -> None:
-    """Raise unless the shards fit in the tensor and (with no overlaps) cover it.
-
-    Call after :func:`validate_non_overlapping`: then covering is the same
-    as the shard volumes adding up to the tensor's. An empty shard holds no
-    element, so (as for overlaps) where it sits is not checked.
-
-    Raises:
-        ValueError: a shard has the wrong number of dimensions or a
-            non-empty one sticks out of the tensor (naming it), or the
-            shards leave elements uncovered.
-    """
-    size = list(tensor_size)
-    total = 0
-    for i, shard in enumerate(shards):
-        if len(shard.shard_offsets) != len(size):
-            raise ValueError(
-                f"shard {i} ({shard.describe()}) has {len(shard.shard_offsets)} dimensions, "
-                f"the tensor of size {size} has {len(size)}"
-            )
-        if shard.numel() == 0:
-            continue
-        for d, (end, limit) in enumerate(zip(shard.ends(), size, strict=True)):
-            if end > limit:
-                raise ValueError(
-                    f"shard {i} ({shard.describe()}) ends at {end} in dim {d}, "
-                    f"outside the tensor of size {size}"
-                )
-        total += shard.numel()
-    expected = math.prod(size)
-    if total != expected:
-        raise ValueError(
-            f"shards do not cover the tensor of size {size}: they hold {total} of its {expected} elements "
-            f"(shards: {'; '.join(s.describe() for s in shards)})"
-        )

@@ -22,7 +22,9 @@ with these differences:
   that package may re-export the state dict hooks without an import cycle).
 - ``load_state_dict`` of a dense state dict into a module with ShardedTensor
   parameters works: each rank copies its shards' slices (a hook that
-  :func:`shard_parameter` registers).
+  :func:`shard_parameter` registers). So does a state dict of torch 2.13's
+  own ShardedTensors (``torch.save``, FSDP1's ``SHARDED_STATE_DICT``): each
+  is converted and resharded to the parameter's layout.
 """
 
 from __future__ import annotations
@@ -72,14 +74,17 @@ def _agree(group: Any, error: Optional[BaseException], what: str, extra: Any = N
         extra: JSON-safe data to exchange alongside.
 
     Returns:
-        Every rank's ``extra``.
+        Every rank's ``extra``; on a rank outside the group (which cannot
+        talk to the members, and gets tensors with no local shards) only
+        its own.
 
     Raises:
         The rank's own ``error`` if it has one; else PeerError naming the
         ranks whose validation failed, with their messages.
     """
     mine = None if error is None else {"type": type(error).__name__, "message": str(error)}
-    rows = group.exchange({"error": mine, "extra": extra})
+    row = {"error": mine, "extra": extra}
+    rows = group.exchange(row) if group.is_member else [row]
     if error is not None:
         raise error
     failed = [(r, row["error"]) for r, row in enumerate(rows) if row["error"] is not None]
@@ -373,12 +378,22 @@ def _as_sharded_like(dense: torch.Tensor, like: ShardedTensor) -> ShardedTensor:
 
 
 def _load_dense_into_sharded(module: nn.Module, state_dict: Any, prefix: str, *args: Any) -> None:
-    """Load pre-hook: a dense entry for a ShardedTensor parameter becomes that layout's slices."""
+    """Load pre-hook: a dense entry for a ShardedTensor parameter becomes that layout's slices.
+
+    An entry that is torch 2.13's own ShardedTensor (``torch.save`` of torch's
+    state dicts, FSDP1's ``SHARDED_STATE_DICT``) is converted and, when its
+    shards are laid out otherwise, resharded to the parameter's layout.
+    """
     from shardwise.sharded_tensor._api import ShardedTensor
+    from shardwise.sharded_tensor._torch_interop import is_torch_sharded_tensor, load_torch_sharded_tensor
 
     for name, param in module._parameters.items():
         value = state_dict.get(prefix + name)
-        if (
+        if isinstance(param, ShardedTensor) and is_torch_sharded_tensor(value):
+            # A size mismatch is left for torch's own "size mismatch" report.
+            if list(value.metadata().size) == list(param.shape):
+                state_dict[prefix + name] = load_torch_sharded_tensor(value, param)
+        elif (
             isinstance(param, ShardedTensor)
             and isinstance(value, torch.Tensor)
             and not isinstance(value, ShardedTensor)

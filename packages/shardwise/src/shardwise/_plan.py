@@ -20,11 +20,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 from shardwise._metadata import ShardMetadata, ShardedTensorMetadata
 
-__all__ = ["MAX_ROUNDS", "Piece", "Plan", "plan", "restrict", "rounds_needed", "row_major_start", "run_span", "slabs"]
+__all__ = [
+    "MAX_ROUNDS", "Piece", "Plan", "owners", "plan", "restrict", "rounds_needed", "row_major_start", "run_span",
+    "slabs",
+]
 
 #: Most rounds :func:`rounds_needed` asks for (each round is one all-to-all).
 MAX_ROUNDS = 8
@@ -70,6 +73,8 @@ class Plan:
         recv: Per source rank, the pieces ``rank`` receives from there.
         needs_wire: Whether any rank (not only this one) sends anything;
             the same on every rank, so all skip the collective together.
+        src_owner: The group rank holding each source shard.
+        dst_owner: The group rank holding each target shard.
     """
 
     rank: int
@@ -78,6 +83,8 @@ class Plan:
     send: tuple[tuple[Piece, ...], ...]
     recv: tuple[tuple[Piece, ...], ...]
     needs_wire: bool
+    src_owner: tuple[int, ...] = ()
+    dst_owner: tuple[int, ...] = ()
 
     @property
     def send_counts(self) -> list[int]:
@@ -107,48 +114,86 @@ def _piece(a: ShardMetadata, i: int, b: ShardMetadata, j: int) -> Optional[Piece
     return Piece(i, j, tuple(offsets), tuple(sizes), tuple(a_start), tuple(b_start), numel)
 
 
-def _ranks(shards: Sequence[ShardMetadata], ndim: int, what: str) -> list[int]:
+def owners(
+    shards: Sequence[ShardMetadata], ndim: int, what: str, to_group: Optional[Mapping[int, int]], world: int
+) -> list[int]:
+    """The group rank holding each shard: its placement's global rank, translated once here.
+
+    Args:
+        shards: The shards, each with ``ndim`` dims.
+        ndim: Number of dims of the tensor.
+        what: ``"source"``/``"target"``, for messages.
+        to_group: Group rank by global rank; None when they are the same numbers.
+        world: Group size to check ranks against when ``to_group`` is None (-1: no check).
+
+    Raises:
+        ValueError: a shard has no placement, a placement without a rank,
+            the wrong number of dims, or a rank outside the group.
+    """
     ranks = []
     for i, shard in enumerate(shards):
         if shard.placement is None:
             raise ValueError(f"{what} shard {i} ({shard.describe()}) has no placement")
         if len(shard.shard_offsets) != ndim:
             raise ValueError(f"{what} shard {i} ({shard.describe()}) has {len(shard.shard_offsets)} dims, not {ndim}")
-        ranks.append(shard.placement.rank())
+        rank = shard.placement.rank()
+        if rank is None:
+            raise ValueError(
+                f"{what} shard {i} ({shard.describe()}) is placed on {shard.placement}, which names no rank; "
+                "data can only move to and from shards placed on 'rank:R/DEVICE'"
+            )
+        if to_group is not None:
+            if rank not in to_group:
+                members = sorted(to_group, key=to_group.__getitem__)
+                raise ValueError(
+                    f"{what} shard {i} ({shard.describe()}) is placed on global rank {rank}, outside the group "
+                    f"(global ranks {members}): Global rank {rank} does not exist in input process group: {members}"
+                )
+            rank = to_group[rank]
+        elif world >= 0 and rank >= world:
+            raise ValueError(f"a shard is placed on rank {rank}, outside a group of {world} rank(s)")
+        ranks.append(rank)
     return ranks
 
 
 def plan(
-    src_md: ShardedTensorMetadata, dst_md: ShardedTensorMetadata, rank: int, world_size: Optional[int] = None
+    src_md: ShardedTensorMetadata,
+    dst_md: ShardedTensorMetadata,
+    rank: int,
+    world_size: Optional[int] = None,
+    to_group: Optional[Mapping[int, int]] = None,
 ) -> Plan:
     """Work out, from metadata only, what ``rank`` copies, sends and receives.
 
     Both metadata must describe valid layouts (non-overlapping shards that
     cover the tensor) of the same tensor size; empty shards are skipped.
+    Placements name global ranks; the plan is in group ranks (``to_group``
+    translates, once per shard).
 
     Args:
         src_md: The layout the data is in.
         dst_md: The layout the data must end up in.
-        rank: The rank to plan for.
+        rank: The group rank to plan for.
         world_size: Number of ranks (default: one more than the highest
             placement rank).
+        to_group: Group rank by global rank (``Group.global_to_group()``);
+            None when they are the same numbers.
 
     Returns:
         The :class:`Plan`.
 
     Raises:
-        ValueError: the sizes differ, a shard has no placement or the wrong
-            number of dims, or a placement is outside ``world_size``.
+        ValueError: the sizes differ, a shard has no placement, no rank or
+            the wrong number of dims, or a placement is outside the group.
     """
     if list(src_md.size) != list(dst_md.size):
         raise ValueError(f"source size {list(src_md.size)} and target size {list(dst_md.size)} differ")
     src, dst = src_md.shards_metadata, dst_md.shards_metadata
     ndim = len(src_md.size)
-    src_rank, dst_rank = _ranks(src, ndim, "source"), _ranks(dst, ndim, "target")
+    limit = -1 if world_size is None else world_size
+    src_rank, dst_rank = owners(src, ndim, "source", to_group, limit), owners(dst, ndim, "target", to_group, limit)
     highest = max(src_rank + dst_rank, default=0)
     world = highest + 1 if world_size is None else world_size
-    if highest >= world:
-        raise ValueError(f"a shard is placed on rank {highest}, outside a group of {world} rank(s)")
     src_live = [i for i, s in enumerate(src) if s.numel() > 0]
     src_mine = [i for i in src_live if src_rank[i] == rank]
     local: list[Piece] = []
@@ -173,7 +218,10 @@ def plan(
     needs_wire = any(send) or any(recv)
     if not needs_wire:
         needs_wire = _any_remote(src, src_rank, src_live, dst, dst_rank)
-    return Plan(rank, world, tuple(local), tuple(map(tuple, send)), tuple(map(tuple, recv)), needs_wire)
+    return Plan(
+        rank, world, tuple(local), tuple(map(tuple, send)), tuple(map(tuple, recv)), needs_wire,
+        tuple(src_rank), tuple(dst_rank),
+    )
 
 
 def _any_remote(
@@ -293,8 +341,8 @@ def _buffered(pieces: Sequence[Piece], md: ShardedTensorMetadata, at_src: bool) 
     return sum(p.numel for p in pieces)
 
 
-def _own_numel(md: ShardedTensorMetadata, rank: int) -> int:
-    return sum(e.numel() for e in md.shards_metadata if e.placement is not None and e.placement.rank() == rank)
+def _own_numel(md: ShardedTensorMetadata, holders: Sequence[int], rank: int) -> int:
+    return sum(e.numel() for e, owner in zip(md.shards_metadata, holders, strict=True) if owner == rank)
 
 
 def rounds_needed(pl: Plan, src_md: ShardedTensorMetadata, dst_md: ShardedTensorMetadata) -> int:
@@ -318,7 +366,7 @@ def rounds_needed(pl: Plan, src_md: ShardedTensorMetadata, dst_md: ShardedTensor
         A round count from 1 to :data:`MAX_ROUNDS`.
     """
     rows = src_md.size[0] if len(src_md.size) else 0
-    budget = max(_own_numel(src_md, pl.rank), _own_numel(dst_md, pl.rank))
+    budget = max(_own_numel(src_md, pl.src_owner, pl.rank), _own_numel(dst_md, pl.dst_owner, pl.rank))
 
     def fits(p: Plan) -> bool:
         sent = _buffered([q for per in p.send for q in per], src_md, True)

@@ -217,7 +217,9 @@ class Registry:
         dist = KNOWN_OP_DISTRIBUTIONS.get(name)
         if dist is not None:
             msg += f". `pip install {dist}`"
-        return OpNotFoundError(msg + ".")
+        # Ends in torch 2.13's wording, which code written for it matches on.
+        short = getattr(op, "__name__", name.rsplit(".", 1)[-1])
+        return OpNotFoundError(f"{msg}. torch function '{short}' not supported for ShardedTensor!")
 
     def plugin_infos(self) -> list[PluginInfo]:
         infos = []

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from shardwise import plugins
 from shardwise._group import Group
 from shardwise._launchers import detect_launch
+from shardwise._non_member import NON_MEMBER
 from shardwise._records import Backend, LaunchInfo
 from shardwise.errors import BackendNotFoundError, BackendUnavailableError, LaunchError
 
@@ -210,8 +211,16 @@ def resolve_group(process_group: Any = None) -> Group:
 
     Args:
         process_group: A shardwise ``Group``, a
-            ``torch.distributed.ProcessGroup`` (wrapped on the fly), or None
-            for :func:`get_default_group`.
+            ``torch.distributed.ProcessGroup`` (wrapped on the fly), None
+            for :func:`get_default_group`, or — on a rank that a subgroup
+            leaves out — torch's ``GroupMember.NON_GROUP_MEMBER``, which
+            ``torch.distributed.new_group`` returns there.
+
+    Returns:
+        The group; for ``NON_GROUP_MEMBER`` the stand-in
+        :class:`~shardwise._non_member.NonMemberGroup` (``is_member`` False),
+        with which sharded tensors are built with no local shards, as in
+        torch.
 
     Raises:
         TypeError: it is none of these.
@@ -220,11 +229,14 @@ def resolve_group(process_group: Any = None) -> Group:
         return get_default_group()
     if isinstance(process_group, Group):
         return process_group
-    if dist.is_available() and isinstance(process_group, dist.ProcessGroup):
-        from shardwise.torch_group import wrap_process_group
+    if dist.is_available():
+        if isinstance(process_group, dist.ProcessGroup):
+            from shardwise.torch_group import wrap_process_group
 
-        return wrap_process_group(process_group)
+            return wrap_process_group(process_group)
+        if type(process_group) is int and process_group == dist.GroupMember.NON_GROUP_MEMBER:
+            return NON_MEMBER
     raise TypeError(
-        f"process_group must be a shardwise Group, a torch.distributed.ProcessGroup or None, "
-        f"got {type(process_group).__name__}"
+        f"process_group must be a shardwise Group, a torch.distributed.ProcessGroup, None or (on a rank "
+        f"outside the group) torch's GroupMember.NON_GROUP_MEMBER, got {type(process_group).__name__}"
     )

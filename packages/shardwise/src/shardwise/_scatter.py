@@ -33,7 +33,7 @@ from shardwise._metadata import (
     dtype_from_name,
     dtype_name,
 )
-from shardwise._plan import MAX_ROUNDS, rounds_needed
+from shardwise._plan import MAX_ROUNDS, owners, rounds_needed
 from shardwise.errors import PeerError
 from shardwise.sharded_tensor._shard import Shard
 
@@ -76,7 +76,7 @@ def build_target(spec: ShardingSpec, md: ShardedTensorMetadata, group: Group, ve
     size = list(md.size)
     try:
         target = spec.build_metadata(md.size, dataclasses.replace(md.tensor_properties))
-        validate_placements(target.shards_metadata, group.size)
+        validate_placements(target.shards_metadata, group, need_rank=True)
         if list(target.size) != size:
             raise ValueError(f"it builds a tensor of size {list(target.size)}")
     except Exception as exc:
@@ -158,10 +158,29 @@ def shard_tensor(
         TypeError: a rank passed something other than a tensor or a spec
             (on that rank; peers raise PeerError).
     """
+    if _overrides_shard(sharding_spec):
+        # As torch's _shard_tensor: a spec that implements shard() itself decides how it shards.
+        return sharding_spec.shard(tensor, src_rank=src_rank, process_group=process_group)
+    return scatter_tensor(tensor, sharding_spec, src_rank, process_group)
+
+
+def _overrides_shard(spec: Any) -> bool:
+    """Whether ``spec``'s class defines its own ``shard`` (the base class's is :func:`scatter_tensor`)."""
+    from shardwise.sharding_spec import ShardingSpec
+
+    return isinstance(spec, ShardingSpec) and type(spec).shard is not ShardingSpec.shard
+
+
+def scatter_tensor(
+    tensor: torch.Tensor, sharding_spec: ShardingSpec, src_rank: int = 0, process_group: Any = None
+) -> ShardedTensor:
+    """:func:`shard_tensor`'s data movement, which ``ShardingSpec.shard`` runs (it never calls a spec's ``shard``)."""
     from shardwise._runtime import resolve_group
     from shardwise.sharded_tensor._api import ShardedTensor
 
     group = resolve_group(process_group)
+    if not group.is_member:
+        return _outside_group(tensor, sharding_spec, src_rank)
     try:
         payload = _local_payload(tensor, sharding_spec, src_rank, group)
     except (TypeError, ValueError) as exc:
@@ -173,8 +192,9 @@ def shard_tensor(
     size = torch.Size(info["size"])
     props = TensorProperties.from_dict(info["props"])
     device = str(tensor.device) if group.rank == src_rank else "cpu"
+    # src_rank is a rank of the group; placements name global ranks.
     whole = ShardedTensorMetadata(
-        [ShardMetadata([0] * len(size), list(size), f"rank:{src_rank}/{device}")], size, props
+        [ShardMetadata([0] * len(size), list(size), f"rank:{group.ranks[src_rank]}/{device}")], size, props
     )
     target = build_target(sharding_spec, whole, group, "shard")
     mine = [Shard(tensor, whole.shards_metadata[0])] if group.rank == src_rank else []
@@ -182,18 +202,31 @@ def shard_tensor(
     return ShardedTensor._create(sharding_spec, target, shards, group)
 
 
-def scatter_tensor(
-    tensor: torch.Tensor, sharding_spec: ShardingSpec, src_rank: int = 0, process_group: Any = None
-) -> ShardedTensor:
-    """``ShardingSpec.shard``: the same as :func:`shard_tensor` (also validated across ranks)."""
-    return shard_tensor(tensor, sharding_spec, src_rank, process_group)
+def _outside_group(tensor: Any, spec: Any, src_rank: Any) -> ShardedTensor:
+    """``shard_tensor`` on a rank outside the group: no local shards, metadata from this rank's own arguments.
+
+    Such a rank cannot hear from ``src_rank``; torch requires every rank to
+    pass a tensor of the full size, so its own tensor gives the size and
+    properties (torch 2.13 itself fails here with a bare AssertionError).
+    """
+    from shardwise.sharded_tensor._api import ShardedTensor
+    from shardwise.sharding_spec import ShardingSpec
+
+    if not isinstance(spec, ShardingSpec):
+        raise TypeError(f"sharding_spec must be a ShardingSpec, got {type(spec).__name__}")
+    if not isinstance(tensor, torch.Tensor) or isinstance(tensor, ShardedTensor):
+        raise TypeError(f"shard_tensor takes a plain torch.Tensor, got {type(tensor).__name__}")
+    md = spec.build_metadata(tensor.size(), TensorProperties.create_from_tensor(tensor))
+    from shardwise._non_member import NON_MEMBER
+
+    return ShardedTensor._create(spec, md, [], NON_MEMBER)
 
 
 # -- gather and full_tensor ----------------------------------------------------
 
 
 def _whole(md: ShardedTensorMetadata, rank: int, device: str = "cpu") -> ShardedTensorMetadata:
-    """``md``'s tensor as one shard on ``rank``."""
+    """``md``'s tensor as one shard on global rank ``rank``."""
     n = len(md.size)
     return ShardedTensorMetadata(
         [ShardMetadata([0] * n, list(md.size), f"rank:{rank}/{device}")], md.size, md.tensor_properties
@@ -205,7 +238,7 @@ def _gather_payload(st: ShardedTensor, group: Group, dst: Any, out: Any, dtype: 
         raise ValueError(f"dst={dst!r} is not a rank of the group (size {group.size})")
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype or None, got {dtype!r}")
-    match_sources(st._local_shards, st._metadata, group.rank)
+    match_sources(st._local_shards, st._metadata, group.global_rank)
     payload = {
         "dst": dst,
         "dtype": dtype_name(dtype) if dtype else None,
@@ -267,6 +300,12 @@ def gather_to(
     if enforce_dtype:
         warnings.warn("`enforce_dtype` is deprecated. Please use `dtype` instead.", FutureWarning, stacklevel=4)
     group = st._process_group
+    if not group.is_member:
+        # dst is a rank of the group, so this rank is not it: nothing to send, nothing to receive.
+        if out is not None:
+            raise ValueError("Argument ``out`` must NOT be specified on non-destination ranks (this rank is "
+                             "outside the tensor's process group); pass None")
+        return
     try:
         mine = _gather_payload(st, group, dst, out, dtype, bool(enforce_dtype))
     except (TypeError, ValueError) as exc:
@@ -284,9 +323,9 @@ def gather_to(
     if not torch.can_cast(wire, out_dtype):
         raise ValueError(f"gather: cannot write {wire} data into ``out`` of dtype {out_dtype} without losing values")
     md = st._metadata
-    target = _whole(md, dst)
-    pl = plan(md, target, group.rank, group.size)
-    sources = match_sources(st._local_shards, md, group.rank)
+    target = _whole(md, group.ranks[dst])
+    pl = plan(md, target, group.rank, group.size, group.global_to_group())
+    sources = match_sources(st._local_shards, md, group.global_rank)
     execute(pl, sources, {0: out} if out is not None else {}, group, wire, trusted=True)
 
 
@@ -294,7 +333,7 @@ def _home_device(st: ShardedTensor) -> torch.device:
     if st._local_shards:
         return st._local_shards[0].tensor.device
     for entry in st._metadata.shards_metadata:
-        if entry.placement is not None and entry.placement.rank() == st._process_group.rank:
+        if entry.placement is not None and entry.placement.rank() == st._process_group.global_rank:
             return entry.placement.device()
     return torch.device(st._process_group.device)
 
@@ -318,7 +357,7 @@ def _agree_to_gather_all(st: ShardedTensor, group: Group) -> dict[int, torch.Ten
     error: Optional[ValueError] = None
     sources: dict[int, torch.Tensor] = {}
     try:
-        sources = match_sources(st._local_shards, md, group.rank)
+        sources = match_sources(st._local_shards, md, group.global_rank)
     except ValueError as exc:
         error = exc
     digest = int.from_bytes(bytes.fromhex(layout_digest(md)), "big", signed=True)
@@ -355,13 +394,22 @@ def all_gather_tensor(st: ShardedTensor) -> torch.Tensor:
     """
     md = st._metadata
     group = st._process_group
+    if not group.is_member:
+        raise ValueError(
+            "full_tensor: this rank is outside the tensor's process group (torch's GroupMember.NON_GROUP_MEMBER); "
+            "only the group's members hold its data"
+        )
     dtype, device = md.tensor_properties.dtype, _home_device(st)
-    sources = _agree_to_gather_all(st, group) if group.size > 1 else match_sources(st._local_shards, md, group.rank)
+    sources = (
+        _agree_to_gather_all(st, group) if group.size > 1 else match_sources(st._local_shards, md, group.global_rank)
+    )
+    # After the agreement: every rank holds the same metadata, so this fails on every rank or none.
+    holders = owners(md.shards_metadata, len(md.size), "tensor", group.global_to_group(), group.size)
     result = _memory.empty(md.size, dtype, device)
     by_rank: list[list[int]] = [[] for _ in range(group.size)]
     for i, entry in enumerate(md.shards_metadata):
-        if entry.numel() > 0 and entry.placement is not None:
-            by_rank[entry.placement.rank()].append(i)
+        if entry.numel() > 0:
+            by_rank[holders[i]].append(i)
     with torch.no_grad():
         if group.size == 1 or result.numel() == 0:
             for i, t in sources.items():
@@ -430,14 +478,22 @@ def reshard_in_place(st: ShardedTensor, spec: ShardingSpec) -> ShardedTensor:
 
     group = st._process_group
     old = st._metadata
+    if not group.is_member:
+        # Outside the group: no data here, only the new global metadata (torch holds no shard there either).
+        if not isinstance(spec, ShardingSpec):
+            raise TypeError(f"reshard takes a ShardingSpec, got {type(spec).__name__}")
+        st._metadata = _in_rank_order(build_target(spec, old, group, "reshard"), old)
+        st._sharding_spec = spec
+        return st
     try:
         if not isinstance(spec, ShardingSpec):
             raise TypeError(f"reshard takes a ShardingSpec, got {type(spec).__name__}")
         mine: dict[str, Any] = {"spec": spec.to_dict(), "layout": layout_digest(old)}
-        target = build_target(spec, old, group, "reshard")
-        have = match_sources(st._local_shards, old, group.rank)
+        target = _in_rank_order(build_target(spec, old, group, "reshard"), old)
+        have = match_sources(st._local_shards, old, group.global_rank)
         # Each rank's own need; the exchange below makes every rank use the largest.
-        mine["rounds"] = rounds_needed(plan(old, target, group.rank, group.size), old, target)
+        pl = plan(old, target, group.rank, group.size, group.global_to_group())
+        mine["rounds"] = rounds_needed(pl, old, target)
     except (TypeError, ValueError) as exc:
         group.reject(exc, op="reshard")
     entries = group.exchange(mine, op="reshard")
@@ -449,7 +505,7 @@ def reshard_in_place(st: ShardedTensor, spec: ShardingSpec) -> ShardedTensor:
         shards = [
             Shard(have[j] if j in have else _empty(e, target.tensor_properties), e)
             for j, e in enumerate(target.shards_metadata)
-            if e.rank == group.rank
+            if e.rank == group.global_rank
         ]
     else:
         shards = redistribute(st._local_shards, old, target, group, trusted=True, rounds=rounds)
@@ -457,6 +513,19 @@ def reshard_in_place(st: ShardedTensor, spec: ShardingSpec) -> ShardedTensor:
     st._metadata = target
     st._local_shards = shards
     return st
+
+
+def _in_rank_order(target: ShardedTensorMetadata, old: ShardedTensorMetadata) -> ShardedTensorMetadata:
+    """``target`` with its shards listed by rank, as torch's ``reshard`` lists them, unless nothing changes.
+
+    torch keeps the metadata of a reshard to the same layout (it returns the
+    tensor as it is), and otherwise fills one entry per rank in rank order.
+    The sort is stable, so several shards of one rank keep the spec's order.
+    """
+    if target.shards_metadata == old.shards_metadata:
+        return target
+    shards = sorted(target.shards_metadata, key=lambda e: -1 if e.rank is None else e.rank)
+    return ShardedTensorMetadata(shards, target.size, target.tensor_properties)
 
 
 def _agreed_rounds(counts: list[Any]) -> int:

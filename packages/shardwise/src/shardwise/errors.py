@@ -14,13 +14,17 @@ __all__ = [
     "BackendNotFoundError",
     "BackendUnavailableError",
     "CollectiveMismatchError",
+    "GroupMismatchError",
+    "InvalidArgumentError",
     "LaunchError",
+    "LocalShardsMismatchError",
     "OpNotFoundError",
     "PeerError",
     "PeerLostError",
     "PluginError",
     "ShardwiseError",
     "UnsafeCheckpointError",
+    "UnsupportedOperandError",
 ]
 
 
@@ -45,6 +49,39 @@ class OpNotFoundError(ShardwiseError, LookupError, NotImplementedError):
 
     Also a ``NotImplementedError`` (hence a ``RuntimeError``), which is what
     torch 2.13's ShardedTensor raised for an unsupported op.
+    """
+
+
+class UnsupportedOperandError(OpNotFoundError, TypeError):
+    """A sharded op got an operand it cannot take, such as a plain tensor next to a ShardedTensor.
+
+    An :class:`OpNotFoundError` (so a ``RuntimeError``, what torch 2.13
+    raised: no sharded implementation takes these operands) and a
+    ``TypeError`` (what shardwise raised before), so ``except`` clauses
+    written for either keep working.
+    """
+
+
+class InvalidArgumentError(ShardwiseError, TypeError, ValueError):
+    """An argument of the wrong type, where torch 2.13 raised ``ValueError`` (``ChunkShardingSpec(None, ...)``).
+
+    Both a ``TypeError`` and a ``ValueError``, so code written for either
+    keeps working.
+    """
+
+
+class LocalShardsMismatchError(ShardwiseError, ValueError, RuntimeError):
+    """The local shards a rank passed do not match the shards the global metadata places on it.
+
+    Both a ``ValueError`` (what shardwise raised) and a ``RuntimeError``
+    (what torch 2.13 raises for a wrong number of local shards).
+    """
+
+
+class GroupMismatchError(ShardwiseError, RuntimeError):
+    """ShardedTensors of different process groups were used together in one op.
+
+    A ``RuntimeError``, as torch 2.13 raises; the message names both groups.
     """
 
 

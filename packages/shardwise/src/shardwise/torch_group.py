@@ -119,6 +119,8 @@ class TorchGroup(Group):
             device=device,
             devices=devices,
             verify=verify,
+            # Placements name global ranks; the world group needs no translation table.
+            ranks=None if pg is dist.group.WORLD else dist.get_process_group_ranks(pg),
         )
         self.pg = pg
         self._owns = owns

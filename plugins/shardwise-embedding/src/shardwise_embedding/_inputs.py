@@ -38,7 +38,7 @@ class Table:
         dim: 0 (row-wise) or 1 (column-wise).
         rows: ``num_embeddings``.
         cols: ``embedding_dim``.
-        shards: ``(offset along dim, size along dim, owner rank)`` of every
+        shards: ``(offset along dim, size along dim, owner's rank in the weight's group)`` of every
             shard, sorted by offset.
         local: ``(offset, size, tensor)`` of this rank's shards, by offset.
         device: Where this rank computes and returns its lookups: its
@@ -123,10 +123,13 @@ def table_of(weight: Any, op: str) -> Table:
     if dim not in (0, 1):
         raise NotImplementedError(f"{op}: weight is sharded on dim {spec.dim}; supported: {supported}")
     placed = []
+    group = weight.process_group
     for md in weight.metadata().shards_metadata:
-        if md.placement is None:
-            raise ValueError(f"{op}: weight shard ({md.describe()}) has no placement")
-        placed.append((md.shard_offsets[dim], md.shard_sizes[dim], md.placement.rank()))
+        rank = None if md.placement is None else md.placement.rank()
+        if rank is None:
+            raise ValueError(f"{op}: weight shard ({md.describe()}) is placed on no rank")
+        # Placements name global ranks; lookups are routed by rank within the weight's group.
+        placed.append((md.shard_offsets[dim], md.shard_sizes[dim], group.group_rank(rank)))
     shards = sorted(placed)
     local = sorted(
         ((s.metadata.shard_offsets[dim], s.metadata.shard_sizes[dim], s.tensor) for s in weight.local_shards()),

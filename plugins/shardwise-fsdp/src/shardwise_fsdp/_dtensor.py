@@ -71,8 +71,8 @@ def from_dtensor(dt: DTensor, process_group: Any = None) -> ShardedTensor:
     Args:
         dt: A DTensor with ``Shard``/``Replicate`` placements on any mesh.
         process_group: The shardwise Group (or torch ProcessGroup) of the
-            result; None: the default group. Its rank ``r`` must be the
-            mesh's global rank ``r``.
+            result; None: the default group. Every rank of the mesh must
+            be a member (placements name global ranks, as the mesh does).
 
     Raises:
         TypeError: ``dt`` is not a DTensor.
@@ -101,13 +101,15 @@ def from_dtensor(dt: DTensor, process_group: Any = None) -> ShardedTensor:
     for coord in itertools.product(*(range(n) for n in mesh_shape)):
         if any(coord[i] != 0 for i in replicated):
             continue  # a copy of the box at coordinate 0 on the replicated dims
-        rank = _at(ranks, coord)
-        if not 0 <= rank < group.size:
-            raise ValueError(f"from_dtensor: mesh rank {rank} is outside the group of {group.size} ranks")
+        rank = _at(ranks, coord)  # a global rank, which is what placements name
+        if rank not in group.ranks:
+            raise ValueError(
+                f"from_dtensor: mesh rank {rank} is not a member of the group (global ranks {list(group.ranks)})"
+            )
         offsets, sizes = _box_at(size, dt.placements, mesh_shape, coord)
         md = ShardMetadata(list(offsets), list(sizes), f"rank:{rank}/{device}")
         shards_md.append(md)
-        if rank == group.rank:
+        if rank == group.global_rank:
             mine = md
     local = [] if mine is None else [LocalShard(dt.to_local(), mine)]
     spec: Any

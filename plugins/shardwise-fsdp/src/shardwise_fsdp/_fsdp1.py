@@ -178,13 +178,14 @@ def _chunk_plain(
     """This rank's ``torch.chunk`` piece of ``tensor`` on dim 0 (a copy), in a ShardedTensor over ``pg``."""
     group = wrap_process_group(pg)
     kind = (device or tensor.device).type
-    spec = ChunkShardingSpec(dim=0, placements=[f"rank:{r}/{kind}" for r in range(world_size)])
+    # Placements name global ranks; chunk r goes to the group's rank r.
+    spec = ChunkShardingSpec(dim=0, placements=[f"rank:{g}/{kind}" for g in group.ranks])
     props = TensorProperties(dtype=tensor.dtype, layout=tensor.layout, requires_grad=False)
     md = spec.build_metadata(tensor.size(), props)
     step = math.ceil(tensor.size(0) / world_size) if tensor.dim() and world_size else 0
     local = []
     for shard_md in md.shards_metadata:
-        if shard_md.rank == rank:
+        if shard_md.rank == group.global_rank:
             piece = tensor.detach().narrow(0, min(rank * step, tensor.size(0)), shard_md.shard_sizes[0]).clone()
             local.append(LocalShard(piece.to(device) if device is not None else piece, shard_md))
     return ShardedTensor._init_from_local_shards_and_global_metadata(
@@ -217,9 +218,9 @@ def _chunk_dtensor_param(
     _check_ascending(mesh.mesh.cpu(), "chunk_tensor")
     tp = wrap_process_group(mesh.get_group())
     kind = inner.device.type
-    spec = ChunkShardingSpec(dim=placement.dim % dt.dim(), placements=[f"rank:{r}/{kind}" for r in range(tp.size)])
+    spec = ChunkShardingSpec(dim=placement.dim % dt.dim(), placements=[f"rank:{g}/{kind}" for g in tp.ranks])
     md = spec.build_metadata(dt.size(), TensorProperties(dtype=dt.dtype, layout=dt.layout, requires_grad=False))
-    mine = [m for m in md.shards_metadata if m.rank == tp.rank]
+    mine = [m for m in md.shards_metadata if m.rank == tp.global_rank]
     return _nest(inner, mine[0], md, tp, spec)
 
 

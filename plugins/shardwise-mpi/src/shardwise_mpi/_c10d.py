@@ -22,6 +22,13 @@ How it plugs into torch 2.13:
   return an already-completed ``Work``. Each collective is one call of the
   shared implementation in :mod:`shardwise_mpi._collectives` (the shardwise
   ``MpiGroup`` calls the same functions).
+* In-place and aliased buffers, which torch code passes and MPI refuses
+  ("Buffers must not be aliased"), are resolved there too: an input that is
+  exactly this rank's slot of the output (FSDP2's all-gather) goes as
+  ``MPI_IN_PLACE``; any other overlap is read from a copy; views and
+  non-contiguous tensors go through staging buffers. The list forms
+  (``all_gather``, ``gather``, ``scatter``, ``all_to_all``, ``reduce_scatter``)
+  stage through one flat buffer, so their outputs may alias their inputs.
 * Rendezvous: ``init_process_group`` without ``store``/``init_method`` goes
   through ``env://``, which needs ``MASTER_ADDR``/``MASTER_PORT``/``RANK``/
   ``WORLD_SIZE``. :func:`register` wraps torch's ``env://`` handler: when those
@@ -97,16 +104,32 @@ def _completed(result: Any) -> Any:
     return torch._C._distributed_c10d._create_work_from_future(fut)  # type: ignore[attr-defined]
 
 
-def _op(opts: Any) -> str:
-    """The shared module's name for ``opts.reduceOp`` (a ``ReduceOp``)."""
+def _op(opts: Any) -> tuple[str, Any]:
+    """The shared module's name for ``opts.reduceOp`` (a ``ReduceOp``), and PREMUL_SUM's factor (else None).
+
+    PREMUL_SUM (FSDP2 with ``set_gradient_divide_factor``) is a sum of the
+    inputs each multiplied by the factor (a float or a one-element tensor):
+    the callers scale, then sum.
+    """
     op = opts.reduceOp
     kind = getattr(op, "op", op)  # ReduceOp wraps a RedOpType enum
     name = str(getattr(kind, "name", kind)).rsplit(".", 1)[-1].lower()
     if name == "premul_sum":
-        raise NotImplementedError(
-            'torch.distributed backend "mpi4py" does not implement PREMUL_SUM; scale the tensor and use SUM'
-        )
-    return name
+        return "sum", op.factor
+    return name, None
+
+
+def _scaled(t: torch.Tensor, factor: Any, in_place: bool) -> torch.Tensor:
+    """``t`` multiplied by PREMUL_SUM's ``factor``: in place (an all-reduce overwrites it anyway) or as a new tensor.
+
+    Raises:
+        TypeError: ``t`` is not floating point (PREMUL_SUM is defined for floating point tensors only).
+    """
+    if not (t.dtype.is_floating_point or t.dtype.is_complex):
+        raise TypeError(f"PREMUL_SUM needs a floating point tensor, got {t.dtype}; use SUM for integers")
+    if isinstance(factor, torch.Tensor):
+        factor = factor.to(t.device)
+    return t.detach().mul_(factor) if in_place else t.detach() * factor
 
 
 class MpiProcessGroup(dist.ProcessGroup):
@@ -178,8 +201,10 @@ class MpiProcessGroup(dist.ProcessGroup):
         return _completed(tensors)
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
-        op = _op(opts)
+        op, factor = _op(opts)
         for t in tensors:
+            if factor is not None:
+                _scaled(t, factor, in_place=True)
             with self._watch("all_reduce"):
                 self._C.allreduce(self.comm, t, op)
         return _completed(tensors)
@@ -190,8 +215,10 @@ class MpiProcessGroup(dist.ProcessGroup):
     def reduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
         # MPI_Reduce would save the non-root ranks a copy; an all-reduce keeps
         # one implementation and torch leaves non-root outputs unspecified.
-        op = _op(opts)
+        op, factor = _op(opts)
         for t in tensors:
+            if factor is not None:
+                _scaled(t, factor, in_place=True)
             with self._watch("all_reduce"):
                 self._C.allreduce(self.comm, t, op)
         return _completed(tensors)
@@ -227,8 +254,11 @@ class MpiProcessGroup(dist.ProcessGroup):
         return _completed(output_lists)
 
     def _reduce_scatter_base(self, output: torch.Tensor, inp: torch.Tensor, opts: Any) -> Any:
+        op, factor = _op(opts)
+        if factor is not None:
+            inp = _scaled(inp, factor, in_place=False)  # the caller's input stays as it was
         with self._watch("reduce_scatter"):
-            self._C.reduce_scatter(self.comm, output, inp, [output.numel()] * self.size(), _op(opts))
+            self._C.reduce_scatter(self.comm, output, inp, [output.numel()] * self.size(), op)
         return _completed([output])
 
     def reduce_scatter_tensor_coalesced(
@@ -239,10 +269,12 @@ class MpiProcessGroup(dist.ProcessGroup):
         return _completed(outputs)
 
     def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any) -> Any:
-        op = _op(opts)
+        op, factor = _op(opts)
         for out, ins in zip(outputs, input_lists, strict=True):
             counts = [t.numel() for t in ins]
             flat = torch.cat([t.reshape(-1) for t in ins])
+            if factor is not None:
+                _scaled(flat, factor, in_place=True)  # flat is this call's own copy
             with self._watch("reduce_scatter"):
                 self._C.reduce_scatter(self.comm, out, flat, counts, op)
         return _completed(outputs)

@@ -34,6 +34,15 @@ Conventions:
   Reductions use the matching MPI datatype; float16, bfloat16 and complex32
   are reduced in float32/complex64 and cast back; bool reduces as logical
   or (sum, max) / and (min, product).
+* Aliased buffers: MPI forbids a send buffer that overlaps the receive
+  buffer. ``allgatherv`` always gathers with ``MPI_IN_PLACE`` (the standard
+  wants it on all ranks or none): an input that is exactly this rank's slot
+  of the output (``all_gather_into_tensor`` into the tensor its input is a
+  view of) is not copied at all, any other input is copied into that slot
+  first. The root of ``gatherv``/``scatterv`` passes ``MPI_IN_PLACE`` when
+  its own block is its input/output. Any other overlap (found by
+  :func:`overlaps`: same device, overlapping byte ranges, whatever the
+  views' shapes) sends from a private copy of the input.
 * CUDA tensors go to MPI directly when the library is CUDA-aware
   (``MPIX_Query_cuda_support``; the current stream is synchronised first),
   otherwise they are staged through host memory and copied back.
@@ -64,6 +73,7 @@ __all__ = [
     "cuda_aware",
     "gatherv",
     "mpi_datatype",
+    "overlaps",
     "reduce_scatter",
     "reduction_dtype",
     "scatterv",
@@ -235,6 +245,53 @@ def _target(t: torch.Tensor, dtype: Optional[torch.dtype] = None) -> tuple[torch
     return work, finish
 
 
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """The half-open range of addresses ``[lo, hi)`` that ``t``'s elements occupy (empty when ``t`` is)."""
+    if t.numel() == 0:
+        return 0, 0
+    lo = hi = t.data_ptr()
+    item = t.element_size()
+    for size, stride in zip(t.shape, t.stride(), strict=True):
+        reach = (size - 1) * stride * item
+        if reach < 0:
+            lo += reach
+        else:
+            hi += reach
+    return lo, hi + item
+
+
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether any byte of ``a`` may share memory with a byte of ``b``.
+
+    Compares addresses rather than storages, so it also catches two storages
+    over one block of memory (``torch.frombuffer``, DLPack). Views whose
+    byte ranges interleave without sharing an element (``t[::2]`` and
+    ``t[1::2]``) count as overlapping: a copy is always safe, a missed
+    alias is not.
+    """
+    if a.device != b.device:
+        return False
+    a_lo, a_hi = _byte_span(a)
+    b_lo, b_hi = _byte_span(b)
+    return a_lo < a_hi and b_lo < b_hi and a_lo < b_hi and b_lo < a_hi
+
+
+def _is_slot(part: torch.Tensor, whole: torch.Tensor, offset: int) -> bool:
+    """Whether contiguous ``part`` is exactly the bytes ``[offset, offset + nbytes)`` of contiguous ``whole``."""
+    return (
+        part.device == whole.device
+        and part.is_contiguous()
+        and whole.is_contiguous()
+        and part.data_ptr() == whole.data_ptr() + offset
+        and part.numel() * part.element_size() + offset <= whole.numel() * whole.element_size()
+    )
+
+
+def _unaliased(src: torch.Tensor, work: torch.Tensor) -> torch.Tensor:
+    """``src``, or a private copy of it when MPI would read it while writing ``work``."""
+    return src.clone() if overlaps(src, work) else src
+
+
 def _byte_layout(counts: Sequence[int], itemsize: int) -> tuple[list[int], list[int]]:
     sizes = [int(c) * itemsize for c in counts]
     displs, offset = [], 0
@@ -291,14 +348,22 @@ def allgatherv(comm: Any, out: torch.Tensor, inp: torch.Tensor, counts: Sequence
     src = _source(inp, out.dtype)
     work, finish = _target(out)
     item = work.element_size()
-    if all(int(c) == int(counts[0]) for c in counts):
-        n = int(counts[0]) * item
-        comm.Allgather([_buffer(src, True), n, MPI.BYTE], [_buffer(work), n, MPI.BYTE])
+    sizes, displs = _byte_layout(counts, item)
+    rank = comm.Get_rank()
+    # The standard wants MPI_IN_PLACE on every rank of an all-gather or on none,
+    # and whether the input aliases the output is a per-rank fact. So every
+    # rank gathers in place: the input is first put into its slot, unless it
+    # is that slot already (FSDP2 gathers into the buffer its shard is a view
+    # of: no copy at all). MPI would copy a separate send buffer there itself.
+    if not _is_slot(src, work, displs[rank]):
+        start = displs[rank] // item
+        work.view(-1)[start : start + int(counts[rank])].copy_(_unaliased(src, work))
+        if work.is_cuda:
+            torch.cuda.current_stream(work.device).synchronize()
+    if all(s == sizes[0] for s in sizes):
+        comm.Allgather(MPI.IN_PLACE, [_buffer(work), sizes[0], MPI.BYTE])
     else:
-        sizes, displs = _byte_layout(counts, item)
-        comm.Allgatherv(
-            [_buffer(src, True), sizes[comm.Get_rank()], MPI.BYTE], [_buffer(work), (sizes, displs), MPI.BYTE]
-        )
+        comm.Allgatherv(MPI.IN_PLACE, [_buffer(work), (sizes, displs), MPI.BYTE])
     finish()
     return out
 
@@ -313,8 +378,9 @@ def reduce_scatter(
     _check_numel(inp, sum(int(c) for c in counts), "inp")
     _check_numel(out, int(counts[comm.Get_rank()]), "out")
     kind = reduction_dtype(inp.dtype)
-    src = _source(inp, kind)
     work, finish = _target(out, kind)
+    # MPI_IN_PLACE would take the input from (and overwrite) the whole output buffer: copy instead.
+    src = _unaliased(_source(inp, kind), work)
     dt = _DATATYPES[kind]
     mpi_op = _BOOL_OPS[name] if kind == torch.bool else _MPI_OPS[name]
     sizes = [int(c) for c in counts]
@@ -339,8 +405,8 @@ def alltoallv(
     _check_counts(comm, out_counts, "out_counts")
     _check_numel(inp, sum(int(c) for c in in_counts), "inp")
     _check_numel(out, sum(int(c) for c in out_counts), "out")
-    src = _source(inp, out.dtype)
     work, finish = _target(out)
+    src = _unaliased(_source(inp, out.dtype), work)
     item = work.element_size()
     send_sizes, send_displs = _byte_layout(in_counts, item)
     recv_sizes, recv_displs = _byte_layout(out_counts, item)
@@ -375,7 +441,7 @@ def gatherv(
     _check_numel(inp, int(counts[comm.Get_rank()]), "inp")
     src = _source(inp)
     item = src.element_size()
-    sendbuf = [_buffer(src, True), src.numel() * item, MPI.BYTE]
+    sendbuf: Any = [_buffer(src, True), src.numel() * item, MPI.BYTE]
     if comm.Get_rank() != root:
         comm.Gatherv(sendbuf, None, root=root)
         return out
@@ -385,7 +451,14 @@ def gatherv(
     if out.dtype != inp.dtype:
         raise ValueError(f"gatherv: out is {out.dtype} but inp is {inp.dtype}")
     work, finish = _target(out)
-    comm.Gatherv(sendbuf, [_buffer(work), _byte_layout(counts, item), MPI.BYTE], root=root)
+    sizes, displs = _byte_layout(counts, item)
+    if overlaps(src, work):
+        if _is_slot(src, work, displs[root]):
+            sendbuf = MPI.IN_PLACE  # the root's block is already in place
+        else:
+            src = src.clone()
+            sendbuf = [_buffer(src, True), src.numel() * item, MPI.BYTE]
+    comm.Gatherv(sendbuf, [_buffer(work), (sizes, displs), MPI.BYTE], root=root)
     finish()
     return out
 
@@ -401,13 +474,19 @@ def scatterv(
     _check_numel(out, int(counts[comm.Get_rank()]), "out")
     work, finish = _target(out)
     item = work.element_size()
-    recvbuf = [_buffer(work), work.numel() * item, MPI.BYTE]
+    recvbuf: Any = [_buffer(work), work.numel() * item, MPI.BYTE]
     if comm.Get_rank() == root:
         if inp is None:
             raise ValueError("scatterv: the root must pass an input tensor")
         _check_numel(inp, sum(int(c) for c in counts), "inp")
         src = _source(inp, out.dtype)
-        comm.Scatterv([_buffer(src, True), _byte_layout(counts, item), MPI.BYTE], recvbuf, root=root)
+        sizes, displs = _byte_layout(counts, item)
+        if overlaps(src, work):
+            if _is_slot(work, src, displs[root]):
+                recvbuf = MPI.IN_PLACE  # the root's block is already where its output is
+            else:
+                src = src.clone()
+        comm.Scatterv([_buffer(src, True), (sizes, displs), MPI.BYTE], recvbuf, root=root)
     else:
         comm.Scatterv(None, recvbuf, root=root)
     finish()

@@ -78,6 +78,19 @@ def _splits(given: Optional[Sequence[int]], rows: int, size: int) -> Optional[li
 __all__ = ["MpiGroup"]
 
 
+def _world_ranks(comm: Any) -> Optional[list[int]]:
+    """Each rank of ``comm`` as a rank of ``MPI.COMM_WORLD`` (placements name world ranks); None for the world itself."""
+    size = comm.Get_size()
+    if size == MPI.COMM_WORLD.Get_size() and MPI.Comm.Compare(comm, MPI.COMM_WORLD) in (MPI.IDENT, MPI.CONGRUENT):
+        return None
+    group, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
+    try:
+        return [int(r) for r in MPI.Group.Translate_ranks(group, list(range(size)), world)]
+    finally:
+        group.Free()
+        world.Free()
+
+
 class MpiGroup(Group):
     """A group whose collectives run over an MPI communicator.
 
@@ -114,6 +127,7 @@ class MpiGroup(Group):
             device=torch.device("cpu") if device is None else torch.device(device),
             devices=devices,
             verify=verify,
+            ranks=_world_ranks(comm),
         )
         self.comm = comm
         self._owns_comm = owns_comm

@@ -41,13 +41,16 @@ def main(mode: str) -> None:
     objs: list = [None]
     dist.all_gather_object(objs, {"x": 1})
     assert objs == [{"x": 1}]
-    # unsupported requests fail with a message, not a crash or a wrong answer
+    # PREMUL_SUM scales, then sums (FSDP2's set_gradient_divide_factor); integers fail with a message
+    dist.all_reduce(t, op=dist._make_nccl_premul_sum(2.0))
+    assert torch.equal(t, torch.tensor([2.0, 4.0])), t
     try:
-        dist.all_reduce(t, op=dist._make_nccl_premul_sum(2.0))
-    except (NotImplementedError, RuntimeError, ValueError) as exc:
-        assert "PREMUL_SUM" in str(exc) or "premul" in str(exc).lower(), exc
+        dist.all_reduce(torch.ones(2, dtype=torch.int64), op=dist._make_nccl_premul_sum(2.0))
+    except TypeError as exc:
+        assert "PREMUL_SUM needs a floating point tensor" in str(exc), exc
     else:
-        raise AssertionError("PREMUL_SUM was accepted")
+        raise AssertionError("PREMUL_SUM of an integer tensor was accepted")
+    # unsupported requests fail with a message, not a crash or a wrong answer
     try:
         dist.recv(torch.empty(1))
     except NotImplementedError as exc:

@@ -8,12 +8,13 @@ import torch
 from torch.utils import _pytree as pytree
 
 from shardwise._metadata import (
+    PlacementError,
     ShardMetadata,
     ShardedTensorMetadata,
     TensorProperties,
-    check_covering,
-    validate_non_overlapping,
 )
+from shardwise._validation import validate_layout
+from shardwise.sharded_tensor._local_shards import match_local_shards, no_default_group, shards_without_group
 from shardwise.sharded_tensor._shard import Shard
 from shardwise.sharding_spec import ShardingSpec
 from shardwise.sharding_spec._api import infer_sharding_spec
@@ -35,26 +36,72 @@ def flatten_size(size: Sequence[Any]) -> torch.Size:
     return torch.Size(out)
 
 
-def validate_placements(shards: Sequence[ShardMetadata], group_size: int) -> None:
-    """Raise unless every shard is placed on a rank of a group of ``group_size``.
+def validate_placements(shards: Sequence[ShardMetadata], group: Any, *, need_rank: bool = False) -> None:
+    """Raise unless every shard's placement names a member of ``group`` (or no rank at all).
+
+    Placement ranks are global ranks (ranks of the default group), as in
+    torch; each must belong to the group. As in torch, a placement without
+    a rank (``"cpu"``) is accepted, and means a shard no rank holds; on a
+    rank outside the group (``group.is_member`` False) the members are
+    unknown, so only the form is checked there.
+
+    Args:
+        shards: The shards.
+        group: The tensor's :class:`~shardwise.Group`, or a group size (the
+            world's first ranks).
+        need_rank: Refuse placements without a rank (data must move to them).
 
     Raises:
-        ValueError: a shard has no placement or names a rank outside the
-            group (naming the shard).
+        ValueError: a shard has no placement, names a rank outside the
+            group (naming the shard; the message carries torch's wording),
+            or, with ``need_rank``, names no rank.
+        PlacementError: a placement names an RPC worker (shardwise has no RPC).
     """
+    size = group if isinstance(group, int) else group.size
+    member = isinstance(group, int) or group.is_member
+    to_group = None if isinstance(group, int) else group.global_to_group()
     for i, shard in enumerate(shards):
-        if shard.placement is None:
+        placement = shard.placement
+        if placement is None:
             raise ValueError(f"shard {i} ({shard.describe()}) has no placement; give it 'rank:R/DEVICE'")
-        if shard.placement.rank() >= group_size:
-            raise ValueError(
-                f"shard {i} ({shard.describe()}) is placed on rank {shard.placement.rank()}, "
-                f"but the group has {group_size} rank(s) (0..{group_size - 1})"
+        if placement.worker_name() is not None:
+            raise PlacementError(
+                f"shard {i} ({shard.describe()}) names the RPC worker {placement.worker_name()!r}; shardwise does "
+                "not support torch RPC, name a global rank instead ('rank:R/DEVICE'): RPC framework needs to be "
+                f"initialized for using worker names: {placement.worker_name()}"
             )
+        rank = placement.rank()
+        if rank is None:
+            if need_rank:
+                raise ValueError(
+                    f"shard {i} ({shard.describe()}) is placed on {placement}, which names no rank, so no rank "
+                    "could hold its data; place it on 'rank:R/DEVICE'"
+                )
+            continue
+        if not member or (rank in to_group if to_group is not None else rank < size):
+            continue
+        members = list(group.ranks) if not isinstance(group, int) else list(range(size))
+        where = f"0..{size - 1}" if to_group is None else f"global ranks {members}; placements name global ranks"
+        raise ValueError(
+            f"shard {i} ({shard.describe()}) is placed on rank {rank}, but the group has {size} rank(s) ({where}): "
+            f"Global rank {rank} does not exist in input process group: {members}"
+        )
 
 
-def _local_device(shards: Sequence[ShardMetadata], rank: int) -> torch.device:
+def _is_local(shard: ShardMetadata, group: Any) -> bool:
+    """Whether this rank holds ``shard``: its placement names this rank's global rank."""
+    return (
+        group is not None
+        and group.is_member
+        and shard.placement is not None
+        and shard.placement.rank() == group.global_rank
+    )
+
+
+def _local_device(shards: Sequence[ShardMetadata], group: Any) -> torch.device:
     for shard in shards:
-        if shard.placement is not None and shard.placement.rank() == rank:
+        if _is_local(shard, group):
+            assert shard.placement is not None
             return shard.placement.device()
     return torch.device("cpu")
 
@@ -115,9 +162,15 @@ class ShardedTensor(torch.Tensor):
         if not isinstance(sharding_spec, ShardingSpec):
             raise TypeError(f"expected a ShardingSpec, got {type(sharding_spec).__name__}")
         if layout != torch.strided:
-            raise ValueError(f"only torch.strided layout is supported, got {layout}")
+            raise ValueError(
+                f"only torch.strided layout is supported, got {layout} (Only torch.strided layout is currently "
+                "supported)"
+            )
         if memory_format != torch.contiguous_format:
-            raise ValueError(f"only torch.contiguous_format is supported, got {memory_format}")
+            raise ValueError(
+                f"only torch.contiguous_format is supported, got {memory_format} (Only torch.contiguous_format "
+                "memory_format is currently supported)"
+            )
         _check_no_rrefs(init_rrefs)
         group = resolve_group(process_group)
         props = TensorProperties(
@@ -128,11 +181,11 @@ class ShardedTensor(torch.Tensor):
             pin_memory=pin_memory,
         )
         metadata = sharding_spec.build_metadata(flatten_size(size), props)
-        validate_placements(metadata.shards_metadata, group.size)
+        validate_placements(metadata.shards_metadata, group)
         local = []
         for shard_md in metadata.shards_metadata:
             assert shard_md.placement is not None
-            if shard_md.placement.rank() == group.rank:
+            if _is_local(shard_md, group):
                 tensor = torch.empty(
                     shard_md.shard_sizes,
                     dtype=props.dtype,
@@ -160,7 +213,7 @@ class ShardedTensor(torch.Tensor):
         if local_shards:
             device = local_shards[0].tensor.device
         else:
-            device = _local_device(metadata.shards_metadata, group.rank)
+            device = _local_device(metadata.shards_metadata, group)
         r = torch.Tensor._make_wrapper_subclass(
             cls,
             metadata.size,
@@ -206,37 +259,30 @@ class ShardedTensor(torch.Tensor):
         from shardwise._runtime import resolve_group
 
         _check_no_rrefs(init_rrefs)
-        group = resolve_group(process_group)
         shards_md = sharded_tensor_metadata.shards_metadata
         props = sharded_tensor_metadata.tensor_properties
         if not shards_md:
             raise ValueError("shards_metadata must not be empty")
         if props.layout != torch.strided:
-            raise ValueError(f"only torch.strided layout is supported, got {props.layout}")
-        validate_placements(shards_md, group.size)
-        validate_non_overlapping(shards_md)
-        check_covering(shards_md, list(sharded_tensor_metadata.size))
-        mine = [md for md in shards_md if md.placement is not None and md.placement.rank() == group.rank]
-        unmatched = list(mine)
-        for shard in local_shards:
-            if not isinstance(shard, Shard):
-                raise TypeError(f"local_shards must hold Shard objects, got {type(shard).__name__}")
-            if shard.metadata not in unmatched:
-                raise ValueError(
-                    f"local shard ({shard.metadata.describe()}) on rank {group.rank} is not in the global "
-                    f"metadata's shards for this rank: {[md.describe() for md in mine]}"
-                )
-            unmatched.remove(shard.metadata)
-            _check_properties(shard.tensor, props, f"local shard ({shard.metadata.describe()})")
-        if unmatched:
             raise ValueError(
-                f"rank {group.rank} has no local shard for {[md.describe() for md in unmatched]} "
-                "listed in the global metadata"
+                f"only torch.strided layout is supported, got {props.layout} (Only torch.strided "
+                "layout is currently supported)"
             )
+        no_group = process_group is None and no_default_group()
+        group = None if no_group else resolve_group(process_group)
+        if group is not None:
+            validate_placements(shards_md, group)
+        validate_layout(shards_md, list(sharded_tensor_metadata.size))
+        if group is None:
+            # No group anywhere (torch's ShardedTensorBase): every shard passed is held here.
+            local = shards_without_group(local_shards, sharded_tensor_metadata)
+        else:
+            mine = [md for md in shards_md if _is_local(md, group)]
+            local = match_local_shards(local_shards, mine, props, group.global_rank)
         spec = sharding_spec
         if spec is None:
             spec = infer_sharding_spec(shards_md, sharded_tensor_metadata.size)
-        return cls._create(spec, sharded_tensor_metadata, list(local_shards), group)
+        return cls._create(spec, sharded_tensor_metadata, local, group)
 
     @classmethod
     def _init_from_local_shards(
@@ -276,14 +322,16 @@ class ShardedTensor(torch.Tensor):
         if not isinstance(local_tensor, torch.Tensor):
             raise TypeError(f"local_tensor must be a torch.Tensor, got {type(local_tensor).__name__}")
         if not local_tensor.is_contiguous():
-            raise ValueError("local_tensor is not contiguous; call .contiguous() first")
+            raise ValueError(
+                "local_tensor is not contiguous; call .contiguous() first (local_tensor is not a contiguous Tensor.)"
+            )
         props = TensorProperties.create_from_tensor(local_tensor)
         metadata = sharding_spec.build_metadata(flatten_size(global_size), props)
-        validate_placements(metadata.shards_metadata, group.size)
-        mine = [md for md in metadata.shards_metadata if md.placement is not None and md.placement.rank() == group.rank]
+        validate_placements(metadata.shards_metadata, group)
+        mine = [md for md in metadata.shards_metadata if _is_local(md, group)]
         if len(mine) > 1:
             raise ValueError(
-                f"the spec places {len(mine)} shards on rank {group.rank}; _init_from_local_tensor takes one "
+                f"the spec places {len(mine)} shards on rank {group.global_rank}; _init_from_local_tensor takes one "
                 "tensor per rank (use init_from_local_shards)"
             )
         local: list[Shard] = []
@@ -291,7 +339,7 @@ class ShardedTensor(torch.Tensor):
             local.append(Shard(local_tensor, mine[0]))
         elif local_tensor.numel() != 0:
             raise ValueError(
-                f"the spec places no shard on rank {group.rank}, but it passed a tensor of size "
+                f"the spec places no shard on rank {group.global_rank}, but it passed a tensor of size "
                 f"{list(local_tensor.size())}"
             )
         return cls._create(sharding_spec, metadata, local, group)
@@ -319,8 +367,8 @@ class ShardedTensor(torch.Tensor):
         n = len(self._local_shards)
         if n != 1:
             raise NotImplementedError(
-                f"local_tensor() needs exactly one local shard, but rank {self._process_group.rank} holds {n}; "
-                "use local_shards()"
+                f"local_tensor() needs exactly one local shard, but rank {getattr(self._process_group, 'rank', 0)} "
+                f"holds {n}; use local_shards() (Only single local shard is supported.)"
             )
         return self._local_shards[0].tensor
 
@@ -331,7 +379,10 @@ class ShardedTensor(torch.Tensor):
             return size
         ndim = len(size)
         if not -ndim <= dim < ndim:
-            raise IndexError(f"dimension {dim} out of range for a tensor of {ndim} dimensions")
+            raise IndexError(
+                f"dimension {dim} out of range for a tensor of {ndim} dimensions (Dimension out of range "
+                f"(expected to be in range of [{-ndim}, {ndim - 1}], but got {dim}))"
+            )
         return size[dim]
 
     def dim(self) -> int:
@@ -478,17 +529,6 @@ class ShardedTensor(torch.Tensor):
 def _check_no_rrefs(init_rrefs: bool) -> None:
     if init_rrefs:
         raise NotImplementedError("init_rrefs=True (torch RPC remote shards) is not supported by shardwise")
-
-
-def _check_properties(tensor: torch.Tensor, props: TensorProperties, what: str) -> None:
-    if tensor.dtype != props.dtype:
-        raise ValueError(f"{what} has dtype {tensor.dtype}, the metadata says {props.dtype}")
-    if tensor.layout != props.layout:
-        raise ValueError(f"{what} has layout {tensor.layout}, the metadata says {props.layout}")
-    if tensor.requires_grad != props.requires_grad:
-        raise ValueError(f"{what} has requires_grad={tensor.requires_grad}, the metadata says {props.requires_grad}")
-    if not tensor.is_contiguous():
-        raise ValueError(f"{what} is not contiguous")
 
 
 ShardedTensorBase = ShardedTensor

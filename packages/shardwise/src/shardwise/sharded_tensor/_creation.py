@@ -63,23 +63,91 @@ def _filled(st: ShardedTensor, fill: Any) -> ShardedTensor:
     return st
 
 
-def ones(sharding_spec: ShardingSpec, *size: Any, **kwargs: Any) -> ShardedTensor:
+def ones(
+    sharding_spec: ShardingSpec,
+    *size: Any,
+    dtype: Optional[torch.dtype] = None,
+    layout: torch.layout = torch.strided,
+    requires_grad: bool = False,
+    pin_memory: bool = False,
+    memory_format: torch.memory_format = torch.contiguous_format,
+    process_group: Any = None,
+    init_rrefs: bool = False,
+) -> ShardedTensor:
     """Like :func:`empty`, filled with 1."""
+    kwargs: dict[str, Any] = dict(
+        dtype=dtype,
+        layout=layout,
+        requires_grad=requires_grad,
+        pin_memory=pin_memory,
+        memory_format=memory_format,
+        process_group=process_group,
+        init_rrefs=init_rrefs,
+    )
     return _filled(empty(sharding_spec, *size, **kwargs), lambda t: t.fill_(1))
 
 
-def zeros(sharding_spec: ShardingSpec, *size: Any, **kwargs: Any) -> ShardedTensor:
+def zeros(
+    sharding_spec: ShardingSpec,
+    *size: Any,
+    dtype: Optional[torch.dtype] = None,
+    layout: torch.layout = torch.strided,
+    requires_grad: bool = False,
+    pin_memory: bool = False,
+    memory_format: torch.memory_format = torch.contiguous_format,
+    process_group: Any = None,
+    init_rrefs: bool = False,
+) -> ShardedTensor:
     """Like :func:`empty`, filled with 0."""
+    kwargs: dict[str, Any] = dict(
+        dtype=dtype,
+        layout=layout,
+        requires_grad=requires_grad,
+        pin_memory=pin_memory,
+        memory_format=memory_format,
+        process_group=process_group,
+        init_rrefs=init_rrefs,
+    )
     return _filled(empty(sharding_spec, *size, **kwargs), lambda t: t.zero_())
 
 
-def full(sharding_spec: ShardingSpec, size: Any, fill_value: Any, **kwargs: Any) -> ShardedTensor:
+def full(
+    sharding_spec: ShardingSpec,
+    size: Any,
+    fill_value: Any,
+    *,
+    dtype: Optional[torch.dtype] = None,
+    layout: torch.layout = torch.strided,
+    requires_grad: bool = False,
+    pin_memory: bool = False,
+    memory_format: torch.memory_format = torch.contiguous_format,
+    process_group: Any = None,
+    init_rrefs: bool = False,
+) -> ShardedTensor:
     """Like :func:`empty` with ``size`` a sequence, filled with ``fill_value``."""
+    kwargs: dict[str, Any] = dict(
+        dtype=dtype,
+        layout=layout,
+        requires_grad=requires_grad,
+        pin_memory=pin_memory,
+        memory_format=memory_format,
+        process_group=process_group,
+        init_rrefs=init_rrefs,
+    )
     return _filled(empty(sharding_spec, *_as_sizes(size), **kwargs), lambda t: t.fill_(fill_value))
 
 
 def rand(
-    sharding_spec: ShardingSpec, *size: Any, generator: Optional[torch.Generator] = None, **kwargs: Any
+    sharding_spec: ShardingSpec,
+    *size: Any,
+    dtype: Optional[torch.dtype] = None,
+    layout: torch.layout = torch.strided,
+    requires_grad: bool = False,
+    pin_memory: bool = False,
+    memory_format: torch.memory_format = torch.contiguous_format,
+    process_group: Any = None,
+    init_rrefs: bool = False,
+    generator: Optional[torch.Generator] = None,
 ) -> ShardedTensor:
     """Like :func:`empty`, filled with uniform numbers on ``[0, 1)``.
 
@@ -90,17 +158,44 @@ def rand(
     """
     from shardwise.sharded_tensor._ops._random import fill_uniform
 
+    kwargs: dict[str, Any] = dict(
+        dtype=dtype,
+        layout=layout,
+        requires_grad=requires_grad,
+        pin_memory=pin_memory,
+        memory_format=memory_format,
+        process_group=process_group,
+        init_rrefs=init_rrefs,
+    )
     st = empty(sharding_spec, *size, **kwargs)
     fill_uniform(st, 0.0, 1.0, generator=generator)
     return st
 
 
 def randn(
-    sharding_spec: ShardingSpec, *size: Any, generator: Optional[torch.Generator] = None, **kwargs: Any
+    sharding_spec: ShardingSpec,
+    *size: Any,
+    dtype: Optional[torch.dtype] = None,
+    layout: torch.layout = torch.strided,
+    requires_grad: bool = False,
+    pin_memory: bool = False,
+    memory_format: torch.memory_format = torch.contiguous_format,
+    process_group: Any = None,
+    init_rrefs: bool = False,
+    generator: Optional[torch.Generator] = None,
 ) -> ShardedTensor:
     """Like :func:`empty`, filled with standard normal numbers (see :func:`rand` on seeds)."""
     from shardwise.sharded_tensor._ops._random import fill_normal
 
+    kwargs: dict[str, Any] = dict(
+        dtype=dtype,
+        layout=layout,
+        requires_grad=requires_grad,
+        pin_memory=pin_memory,
+        memory_format=memory_format,
+        process_group=process_group,
+        init_rrefs=init_rrefs,
+    )
     st = empty(sharding_spec, *size, **kwargs)
     fill_normal(st, 0.0, 1.0, generator=generator)
     return st

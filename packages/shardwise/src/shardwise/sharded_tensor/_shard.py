@@ -39,12 +39,13 @@ class Shard:
         if list(self.tensor.size()) != self.metadata.shard_sizes:
             raise ValueError(
                 f"shard tensor of size {list(self.tensor.size())} does not match its metadata "
-                f"({self.metadata.describe()})"
+                f"({self.metadata.describe()}) (Shard tensor size does not match with metadata.shard_lengths)"
             )
         placement = self.metadata.placement
         if placement is not None and not _same_device(placement.device(), self.tensor.device):
             raise ValueError(
-                f"shard tensor is on {self.tensor.device} but its metadata places it on {placement}"
+                f"shard tensor is on {self.tensor.device} but its metadata places it on {placement} "
+                "(Local shard tensor device does not match with local Shard's placement)"
             )
 
     @classmethod

@@ -20,6 +20,7 @@ from shardwise._metadata import (
     validate_non_overlapping,
 )
 from shardwise._records import qualified_name
+from shardwise.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
     from shardwise.sharded_tensor import ShardedTensor
@@ -150,7 +151,9 @@ class ChunkShardingSpec(ShardingSpec):
     Raises:
         NotImplementedError: ``dim`` is a name (named dimensions are not
             supported).
-        TypeError: ``dim`` is not an int, or placements is not a list.
+        InvalidArgumentError: ``dim`` is not an int (a ``TypeError``,
+            and the ``ValueError`` torch 2.13 raised).
+        TypeError: placements is not a list.
         ValueError: a placement is malformed or the list is empty.
     """
 
@@ -161,7 +164,10 @@ class ChunkShardingSpec(ShardingSpec):
         if isinstance(dim, str):
             raise NotImplementedError(f"ChunkShardingSpec does not support named dimensions (dim={dim!r})")
         if isinstance(dim, bool) or not isinstance(dim, int):
-            raise TypeError(f"ChunkShardingSpec dim must be an int, got {dim!r}")
+            # Also a ValueError, which torch 2.13 raised here.
+            raise InvalidArgumentError(
+                f"ChunkShardingSpec dim must be an int (Sharding dim needs to be an integer), got {dim!r}"
+            )
         placed = _placements(placements)
         if not placed:
             raise ValueError("ChunkShardingSpec needs at least one placement")
@@ -174,7 +180,10 @@ class ChunkShardingSpec(ShardingSpec):
         sizes = _tensor_sizes(tensor_sizes)
         ndim = len(sizes)
         if not -ndim <= self.dim < ndim:
-            raise ValueError(f"cannot shard dim {self.dim} of a tensor of size {sizes} ({ndim} dimensions)")
+            raise ValueError(
+                f"cannot shard dim {self.dim} of a tensor of size {sizes} ({ndim} dimensions) "
+                f"(Invalid sharding dim: {self.dim})"
+            )
         dim = self.dim % ndim
         shards = []
         offset = 0
@@ -208,7 +217,7 @@ class EnumerableShardingSpec(ShardingSpec):
     def __init__(self, shards: Sequence[ShardMetadata]) -> None:
         shards = list(shards)
         if not shards:
-            raise ValueError("EnumerableShardingSpec needs at least one shard")
+            raise ValueError("EnumerableShardingSpec needs at least one shard (Empty shard list provided)")
         for i, shard in enumerate(shards):
             if not isinstance(shard, ShardMetadata):
                 raise TypeError(f"shard {i} must be a ShardMetadata, got {type(shard).__name__}")
@@ -217,7 +226,8 @@ class EnumerableShardingSpec(ShardingSpec):
             if len(shard.shard_offsets) != ndim:
                 raise ValueError(
                     f"all shards must have the same number of dimensions: shard 0 ({shards[0].describe()}) "
-                    f"has {ndim}, shard {i} ({shard.describe()}) has {len(shard.shard_offsets)}"
+                    f"has {ndim}, shard {i} ({shard.describe()}) has {len(shard.shard_offsets)} "
+                    "(Found inconsistent ranks for shards)"
                 )
         validate_non_overlapping(shards)
         self.shards = shards

@@ -18,6 +18,7 @@ from torch.utils import _pytree as pytree
 
 from shardwise._metadata import Placement, ShardMetadata, ShardedTensorMetadata, TensorProperties
 from shardwise._records import ShardedOp, qualified_name
+from shardwise.errors import UnsupportedOperandError
 from shardwise.sharded_tensor._api import ShardedTensor
 from shardwise.sharded_tensor._shard import Shard
 from shardwise.sharding_spec import ChunkShardingSpec, EnumerableShardingSpec, ShardingSpec
@@ -80,7 +81,7 @@ def layout_key(st: ShardedTensor, devices: bool = True) -> tuple[Any, ...]:
     """Size and sorted shard boxes with placements (or only ranks): equal keys, same layout."""
     md = st.metadata()
     shards = sorted(
-        (tuple(s.shard_offsets), tuple(s.shard_sizes), str(s.placement) if devices else (s.rank or 0))
+        (tuple(s.shard_offsets), tuple(s.shard_sizes), str(s.placement) if devices else str(s.rank))
         for s in md.shards_metadata
     )
     return tuple(md.size), tuple(shards)
@@ -170,10 +171,12 @@ def probe(func: Any, args: Any, kwargs: Any) -> Any:
 def _reject_plain(name: str, leaves: Sequence[Any]) -> None:
     for x in leaves:
         if isinstance(x, torch.Tensor) and not isinstance(x, ShardedTensor) and x.dim() != 0:
-            raise TypeError(
+            # An OpNotFoundError (torch's RuntimeError) and a TypeError; the message ends in torch's wording.
+            raise UnsupportedOperandError(
                 f"{name}: got a plain torch.Tensor of size {list(x.shape)} next to a ShardedTensor; sharded "
                 "pointwise ops take ShardedTensors of one layout, Python scalars and 0-d tensors. Shard it "
-                "first with the same spec: shardwise.shard_tensor(tensor, st.sharding_spec())"
+                "first with the same spec: shardwise.shard_tensor(tensor, st.sharding_spec()). torch function "
+                f"'{name.rsplit('.', 1)[-1]}' with a plain tensor operand not supported for ShardedTensor!"
             )
 
 
@@ -201,8 +204,9 @@ def map_shards(
         A new ShardedTensor, or ``args[0]`` for an in-place op.
 
     Raises:
-        TypeError: a plain tensor with dimensions is an operand, or an
-            in-place op's first argument is not a ShardedTensor.
+        UnsupportedOperandError: a plain tensor with dimensions is an
+            operand (a ``TypeError`` and an ``OpNotFoundError``).
+        TypeError: an in-place op's first argument is not a ShardedTensor.
         ValueError: ShardedTensor operands have different layouts.
     """
     kwargs = kwargs or {}
@@ -238,17 +242,21 @@ def map_shards(
 
 
 def moved(st: ShardedTensor, device: torch.device) -> tuple[ShardingSpec, list[ShardMetadata]]:
-    """``st``'s spec and shards with every placement on ``device`` (same ranks and boxes)."""
+    """``st``'s spec and shards with every placement on ``device`` (same ranks, or none, and boxes)."""
+
+    def on_device(placement: Optional[Placement]) -> Optional[Placement]:
+        return None if placement is None else placement.with_device(device)
+
     shards = [
-        ShardMetadata(s.shard_offsets, s.shard_sizes, f"rank:{s.rank}/{device}") for s in st.metadata().shards_metadata
+        ShardMetadata(s.shard_offsets, s.shard_sizes, on_device(s.placement)) for s in st.metadata().shards_metadata
     ]
     spec = st.sharding_spec()
     new_spec: ShardingSpec
     if isinstance(spec, ChunkShardingSpec):
-        new_spec = ChunkShardingSpec(spec.dim, [Placement(f"rank:{p.rank()}/{device}") for p in spec.placements])
+        new_spec = ChunkShardingSpec(spec.dim, [p.with_device(device) for p in spec.placements])
     elif isinstance(spec, EnumerableShardingSpec):
         new_spec = EnumerableShardingSpec(
-            [ShardMetadata(s.shard_offsets, s.shard_sizes, f"rank:{s.rank}/{device}") for s in spec.shards]
+            [ShardMetadata(s.shard_offsets, s.shard_sizes, on_device(s.placement)) for s in spec.shards]
         )
     else:
         new_spec = infer_sharding_spec(shards)

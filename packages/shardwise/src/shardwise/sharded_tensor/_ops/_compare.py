@@ -6,7 +6,9 @@ lives on the group's device: this works on gloo/CPU-only hosts, where
 torch 2.13's versions fail (they put the flag on an accelerator).
 
 Semantics follow torch 2.13's sharded ``equal``/``allclose``: tensors whose
-layouts (size, shard boxes, placements) or dtypes differ compare False.
+layouts (size, shard boxes, placements) or dtypes differ compare False, and
+tensors of two different process groups are a
+:class:`~shardwise.errors.GroupMismatchError` (a ``RuntimeError``).
 Every rank still joins the one ``all_reduce``, even when it knows the
 answer alone: a rank that sees other operands than its peers (a plain
 tensor of another shape on one rank) must not leave them waiting in it,
@@ -24,7 +26,7 @@ from typing import Any, Callable
 import torch
 
 from shardwise._records import ShardedOp
-from shardwise.errors import PeerError
+from shardwise.errors import GroupMismatchError, PeerError
 from shardwise.sharded_tensor._api import ShardedTensor
 from shardwise.sharded_tensor._ops._common import box_key, layout_key, local_by_box, op_name, records_for
 
@@ -50,6 +52,23 @@ def _same_group(a: Any, b: Any) -> bool:
     return a is b or (getattr(a, "pg", None) is not None and getattr(a, "pg", None) is getattr(b, "pg", None))
 
 
+def _check_one_group(name: str, args: Any, kwargs: Any) -> None:
+    """Raise unless every ShardedTensor operand lives in one process group (decided locally, before any collective).
+
+    Raises:
+        GroupMismatchError: naming both groups (with torch 2.13's wording).
+    """
+    tensors = [x for x in (*args, *(kwargs or {}).values()) if isinstance(x, ShardedTensor)]
+    for other in tensors[1:]:
+        if not _same_group(tensors[0]._process_group, other._process_group):
+            raise GroupMismatchError(
+                f"{name}: the ShardedTensors live in different process groups ({tensors[0]._process_group!r} and "
+                f"{other._process_group!r}), so no collective can compare them; move one into the other's group "
+                "first, e.g. b.to(process_group=...). All distributed tensors should use the same ProcessGroup "
+                "if used together in an op."
+            )
+
+
 def _slice(full: torch.Tensor, key: Any) -> torch.Tensor:
     offsets, sizes = key
     return full[tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))]
@@ -59,7 +78,7 @@ def _pairs(a: Any, b: Any) -> tuple[ShardedTensor, list[tuple[torch.Tensor, torc
     """The sharded operand and the (a, b) pieces to compare on this rank, or None when they cannot match."""
     st = a if isinstance(a, ShardedTensor) else b
     if isinstance(a, ShardedTensor) and isinstance(b, ShardedTensor):
-        if not _same_group(a._process_group, b._process_group) or a.dtype != b.dtype:
+        if a.dtype != b.dtype:
             return None
         if layout_key(a, True) != layout_key(b, True):
             return None
@@ -100,6 +119,7 @@ def _comparison(func: Any) -> Callable[..., Any]:
 
     def impl(types: Any, args: Any, kwargs: Any, process_group: Any) -> bool:
         group = _group_of(args, kwargs)
+        _check_one_group(name, args, kwargs)
         error: Exception | None = None
         try:
             code = int(local(args, kwargs))  # 1: equal here, 0: not

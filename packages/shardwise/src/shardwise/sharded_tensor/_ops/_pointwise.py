@@ -4,7 +4,8 @@ torch 2.13 rejects all of these. Each op runs on matching local shards
 (:func:`._common.map_shards`): no communication, autograd shard by shard,
 dtype by torch's type promotion (comparisons give bool tensors), in-place
 forms return the tensor they changed. Operands of different layouts are a
-ValueError naming both; a plain tensor with dimensions is a TypeError (shard
+ValueError naming both; a plain tensor with dimensions is an UnsupportedOperandError
+(a TypeError and an OpNotFoundError, so a RuntimeError as in torch; shard
 it first) — both decided from the global metadata, so on every rank.
 
 The operators route here as torch hands them to ``__torch_function__``:

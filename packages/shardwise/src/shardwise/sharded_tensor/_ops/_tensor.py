@@ -221,6 +221,52 @@ def _type_as(types: Any, args: Any, kwargs: Any, process_group: Any) -> Any:
     return convert(self, other.device, other.dtype)
 
 
+# -- .data = ----------------------------------------------------------------------------------------
+
+
+def _data_set(types: Any, args: Any, kwargs: Any, process_group: Any) -> None:
+    """``st.data = other``: ``st`` takes ``other``'s layout, dtype and data and keeps its identity.
+
+    What ``nn.Module.to()``/``cpu()``/``double()`` do to each parameter.
+    Where this rank's shards keep their boxes (a device or dtype change),
+    each local shard takes the new data with ``shard.data = new`` as a plain
+    parameter would, so the shard tensors an optimizer holds, their grads
+    and their ``requires_grad`` stay; otherwise the new shards are detached
+    and take ``st``'s ``requires_grad``.
+    """
+    st = _self("data", args)
+    new = args[1] if len(args) > 1 else (kwargs or {}).get("value")
+    if new is st:
+        return
+    if not isinstance(new, ShardedTensor):
+        raise TypeError(
+            f"ShardedTensor.data must be set to a ShardedTensor, got {type(new).__name__}; "
+            "shard the tensor first (shardwise.shard_tensor) or copy_ it in"
+        )
+    requires_grad = bool(st.metadata().tensor_properties.requires_grad)
+    dtype = new.metadata().tensor_properties.dtype
+    if requires_grad and not (dtype.is_floating_point or dtype.is_complex):
+        raise RuntimeError(
+            f"cannot set the data of a ShardedTensor that requires grad to one of dtype {dtype}: only floating "
+            "point and complex tensors can require gradients (call requires_grad_(False) first)"
+        )
+    old_shards, new_shards = st.local_shards(), new.local_shards()
+    if [box_key(s.metadata) for s in old_shards] == [box_key(s.metadata) for s in new_shards]:
+        for old, fresh in zip(old_shards, new_shards, strict=True):
+            old.tensor.data = fresh.tensor
+        local = [Shard(old.tensor, fresh.metadata) for old, fresh in zip(old_shards, new_shards, strict=True)]
+    else:
+        local = [Shard(s.tensor.detach().requires_grad_(requires_grad), s.metadata) for s in new_shards]
+    with torch._C.DisableTorchFunctionSubclass():
+        # The wrapper itself takes the new dtype and device (its autograd flag stays).
+        torch.Tensor.data.__set__(st, new)  # type: ignore[attr-defined]
+    st._sharding_spec = new.sharding_spec()
+    props = replace(new.metadata().tensor_properties, requires_grad=requires_grad)
+    st._metadata = with_properties(new.metadata(), props)
+    st._local_shards = local
+    st._process_group = new._process_group
+
+
 # -- copy_ ---------------------------------------------------------------------------------------
 
 
@@ -286,7 +332,7 @@ def like(
     local = [
         Shard(torch.empty(md.shard_sizes, dtype=dtype, device=md.placement.device(), pin_memory=pin), md)  # type: ignore[union-attr]
         for md in shards_md
-        if md.rank == group.rank
+        if group.is_member and md.rank == group.global_rank  # placements name global ranks
     ]
     requires_grad = bool(kwargs.get("requires_grad", False))
     props = TensorProperties(dtype=dtype, pin_memory=pin)
@@ -387,6 +433,7 @@ def records() -> list[ShardedOp]:
             record(T.cuda, _cuda, "shards to CUDA"),
             record(T.type_as, _type_as, "dtype/device of another tensor"),
             record(T.copy_, _copy_, "copy from a tensor of the same layout or the whole tensor"),
+            record(T.data.__set__, _data_set, "take another ShardedTensor's data, keeping identity"),  # type: ignore[attr-defined]
             record(T.__deepcopy__, _deepcopy, "deep copy of the local shards"),
             record(T.new_tensor, _new_tensor, "a plain tensor from data, with this tensor's dtype and device"),
         ]

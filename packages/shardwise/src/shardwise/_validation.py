@@ -1,0 +1,366 @@
+"""Checks that shards neither overlap nor leave gaps, in O(n log n) for n shards.
+
+``validate_non_overlapping`` looks only at the dimensions along which the
+shards actually differ (a dimension every shard spans in the same way
+cannot separate two of them):
+
+- none: two non-empty shards are the same box, so they overlap;
+- one: the shards are intervals; sorted by start, an overlap shows up
+  between neighbours;
+- two: a sweep along one of them keeps the shards that cross the sweep
+  line in a list sorted along the other; those are pairwise disjoint, so
+  a new shard need only be compared with its two neighbours there;
+- three or more: the shards' boundaries cut every dimension into
+  elementary intervals, and two shards overlap exactly when they claim the
+  same elementary cell. Grids and other layouts whose shards span few
+  cells are checked with one dict in time linear in the cells claimed;
+  layouts where that would cost more than a few cells per shard fall back
+  to a sweep (as torch 2.13 does for every multi-dimensional layout).
+
+``check_covering`` then needs only the shards' volumes and bounds.
+Messages name the shards at fault, and also carry torch 2.13's wording
+("Shards ... overlap", "does not match tensor volume", ...), which code
+written for torch matches on.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import math
+from operator import add, gt, itemgetter, le, mul
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+if TYPE_CHECKING:
+    from shardwise._metadata import ShardMetadata
+
+__all__ = ["check_covering", "find_overlap", "validate_layout", "validate_non_overlapping"]
+
+#: Shards listed at most in a covering error (a message must stay readable with 10^5 shards).
+_LISTED = 8
+
+#: The cell check runs while the cells claimed stay within this many per shard (plus a constant).
+_CELLS_PER_SHARD = 8
+
+
+def _describe(shards: Sequence[ShardMetadata]) -> str:
+    shown = "; ".join(s.describe() for s in shards[:_LISTED])
+    more = len(shards) - _LISTED
+    return shown + (f"; ... and {more} more" if more > 0 else "")
+
+
+def _check_dims(shards: Sequence[ShardMetadata]) -> int:
+    ndim = len(shards[0].shard_offsets)
+    for i, shard in enumerate(shards):
+        if len(shard.shard_offsets) != ndim:
+            raise ValueError(
+                f"shards 0 ({shards[0].describe()}) and {i} ({shard.describe()}) have different numbers "
+                f"of dimensions (Found inconsistent ranks for shards: {ndim} and {len(shard.shard_offsets)})"
+            )
+    return ndim
+
+
+def _overlaps(a: ShardMetadata, b: ShardMetadata, dims: Sequence[int]) -> bool:
+    ao, asz, bo, bsz = a.shard_offsets, a.shard_sizes, b.shard_offsets, b.shard_sizes
+    return all(ao[d] < bo[d] + bsz[d] and bo[d] < ao[d] + asz[d] for d in dims)
+
+
+def _one_dim(starts: list[int], lengths: list[int]) -> Optional[tuple[int, int]]:
+    """Local indices of two overlapping intervals, or None (maps and sorts in C: this is the common case)."""
+    ends = list(map(add, starts, lengths))
+    order: Optional[list[int]] = None
+    if not all(map(le, starts, starts[1:])):
+        order = sorted(range(len(starts)), key=starts.__getitem__)
+        starts = list(map(starts.__getitem__, order))
+        ends = list(map(ends.__getitem__, order))
+    # Sorted by start: if any interval overlaps a later one, it overlaps its successor.
+    hits = list(map(gt, ends, starts[1:]))
+    if True not in hits:
+        return None
+    k = hits.index(True)
+    return (k, k + 1) if order is None else (order[k], order[k + 1])
+
+
+def _two_dims(shards: Sequence[ShardMetadata], idx: Sequence[int], a: int, b: int) -> Optional[tuple[int, int]]:
+    """Sweep along ``a``; the shards crossing the sweep line are disjoint along ``b``."""
+    order = sorted(idx, key=lambda i: shards[i].shard_offsets[a])
+    expiry: list[tuple[int, int]] = []  # (end along a, shard)
+    active: list[tuple[int, int, int]] = []  # (start along b, end along b, shard), sorted
+    for i in order:
+        shard = shards[i]
+        start = shard.shard_offsets[a]
+        while expiry and expiry[0][0] <= start:
+            _, j = heapq.heappop(expiry)
+            other = shards[j]
+            key = (other.shard_offsets[b], other.shard_offsets[b] + other.shard_sizes[b], j)
+            del active[bisect.bisect_left(active, key)]
+        lo = shard.shard_offsets[b]
+        item = (lo, lo + shard.shard_sizes[b], i)
+        pos = bisect.bisect_left(active, item)
+        if pos > 0 and active[pos - 1][1] > lo:
+            return active[pos - 1][2], i
+        if pos < len(active) and active[pos][0] < item[1]:
+            return active[pos][2], i
+        active.insert(pos, item)
+        heapq.heappush(expiry, (start + shard.shard_sizes[a], i))
+    return None
+
+
+def _cells(shards: Sequence[ShardMetadata], idx: Sequence[int], dims: Sequence[int]) -> Optional[tuple[int, int]]:
+    """Claim elementary cells in a dict; None means no overlap. Raises OverflowError past the budget."""
+    cuts: list[list[int]] = []
+    for d in dims:
+        bounds = {shards[i].shard_offsets[d] for i in idx}
+        bounds.update(shards[i].shard_offsets[d] + shards[i].shard_sizes[d] for i in idx)
+        cuts.append(sorted(bounds))
+    ranges = []
+    total = 0
+    budget = _CELLS_PER_SHARD * len(idx) + 1024
+    for i in idx:
+        md = shards[i]
+        spans = []
+        count = 1
+        for d, points in zip(dims, cuts, strict=True):
+            lo = bisect.bisect_left(points, md.shard_offsets[d])
+            hi = bisect.bisect_left(points, md.shard_offsets[d] + md.shard_sizes[d], lo, len(points))
+            spans.append(range(lo, hi))
+            count *= hi - lo
+        total += count
+        if total > budget:
+            raise OverflowError
+        ranges.append(spans)
+    owner: dict[tuple[int, ...], int] = {}
+    for i, spans in zip(idx, ranges, strict=True):
+        for cell in _product(spans):
+            j = owner.setdefault(cell, i)
+            if j != i:
+                return j, i
+    return None
+
+
+def _product(spans: Sequence[range]) -> list[tuple[int, ...]]:
+    cells: list[tuple[int, ...]] = [()]
+    for span in spans:
+        cells = [c + (k,) for c in cells for k in span]
+    return cells
+
+
+def _sweep(
+    shards: Sequence[ShardMetadata], idx: Sequence[int], dims: Sequence[int], a: int
+) -> Optional[tuple[int, int]]:
+    """Sweep along ``a``, comparing each shard with every shard crossing the sweep line."""
+    order = sorted(idx, key=lambda i: shards[i].shard_offsets[a])
+    expiry: list[tuple[int, int]] = []
+    active: set[int] = set()
+    for i in order:
+        start = shards[i].shard_offsets[a]
+        while expiry and expiry[0][0] <= start:
+            active.discard(heapq.heappop(expiry)[1])
+        for j in active:
+            if _overlaps(shards[i], shards[j], dims):
+                return j, i
+        active.add(i)
+        heapq.heappush(expiry, (start + shards[i].shard_sizes[a], i))
+    return None
+
+
+class _Columns:
+    """The shards' offsets and sizes, one list per dimension (built once, read by both checks)."""
+
+    def __init__(self, shards: Sequence[ShardMetadata]) -> None:
+        self.ndim = len(shards[0].shard_offsets) if shards else 0
+        offsets = [s.shard_offsets for s in shards]
+        self.uniform = len(set(map(len, offsets))) <= 1
+        if self.uniform:
+            lengths = [s.shard_sizes for s in shards]
+            self.starts = [list(map(itemgetter(d), offsets)) for d in range(self.ndim)]
+            self.sizes = [list(map(itemgetter(d), lengths)) for d in range(self.ndim)]
+
+
+def find_overlap(shards: Sequence[ShardMetadata], columns: Optional[_Columns] = None) -> Optional[tuple[int, int]]:
+    """The indices ``(i, j)``, ``i < j``, of two overlapping non-empty shards, or None.
+
+    Shards with no elements never overlap anything.
+
+    Raises:
+        ValueError: shards differ in their number of dimensions.
+    """
+    if not shards:
+        return None
+    cols = columns if columns is not None else _Columns(shards)
+    if not cols.uniform:
+        _check_dims(shards)
+    ndim = cols.ndim
+    idx: Sequence[int] = range(len(shards))
+    sub: Sequence[ShardMetadata] = shards
+    starts_by_dim, sizes_by_dim = cols.starts, cols.sizes
+    if any(0 in column for column in sizes_by_dim):
+        idx = [i for i, s in enumerate(shards) if 0 not in s.shard_sizes]
+        sub = [shards[i] for i in idx]
+        starts_by_dim = [list(map(column.__getitem__, idx)) for column in cols.starts]
+        sizes_by_dim = [list(map(column.__getitem__, idx)) for column in cols.sizes]
+    if len(idx) < 2:
+        return None
+    # Only the dims along which shards differ can separate two of them.
+    sharded = [
+        d
+        for d in range(ndim)
+        if starts_by_dim[d].count(starts_by_dim[d][0]) != len(idx)
+        or sizes_by_dim[d].count(sizes_by_dim[d][0]) != len(idx)
+    ]
+    pair: Optional[tuple[int, int]]
+    if not sharded:
+        pair = 0, 1
+    elif len(sharded) == 1:
+        pair = _one_dim(starts_by_dim[sharded[0]], sizes_by_dim[sharded[0]])
+    else:
+        # Sweep along the dim with the most distinct starts: fewest shards cross the sweep line.
+        a = max(sharded, key=lambda d: len(set(starts_by_dim[d])))
+        local = range(len(sub))
+        if len(sharded) == 2:
+            pair = _two_dims(sub, local, a, sharded[0] if a == sharded[1] else sharded[1])
+        else:
+            try:
+                pair = _cells(sub, local, sharded)
+            except OverflowError:
+                pair = _sweep(sub, local, sharded, a)
+    if pair is None:
+        return None
+    i, j = sorted((idx[pair[0]], idx[pair[1]]))
+    return i, j
+
+
+def validate_non_overlapping(shards: Sequence[ShardMetadata], columns: Optional[_Columns] = None) -> None:
+    """Raise if two non-empty shards overlap; O(n log n) in the number of shards.
+
+    Args:
+        shards: The shards.
+        columns: Their columns, when the caller already built them.
+
+    Raises:
+        ValueError: naming an overlapping pair and their boxes, or two
+            shards with different numbers of dimensions.
+    """
+    pair = find_overlap(shards, columns)
+    if pair is not None:
+        i, j = pair
+        raise ValueError(
+            f"Shards overlap: shards {i} ({shards[i].describe()}) and {j} ({shards[j].describe()}) overlap; "
+            "every element of the tensor must belong to exactly one shard"
+        )
+
+
+def check_covering(
+    shards: Sequence[ShardMetadata], tensor_size: Sequence[int], columns: Optional[_Columns] = None
+) -> None:
+    """Raise unless the shards fit in the tensor and (with no overlaps) cover it.
+
+    Call after :func:`validate_non_overlapping`: then covering is the same
+    as the shard volumes adding up to the tensor's. An empty shard holds no
+    element, so (as for overlaps) where it sits is not checked.
+
+    Args:
+        shards: The shards.
+        tensor_size: The size of the tensor they should tile.
+        columns: Their columns, when the caller already built them.
+
+    Raises:
+        ValueError: a shard has the wrong number of dimensions or a
+            non-empty one sticks out of the tensor (naming it), or the
+            shards leave elements uncovered.
+    """
+    size = list(tensor_size)
+    if shards:
+        cols = columns if columns is not None else _Columns(shards)
+        if not cols.uniform or cols.ndim != len(size):
+            _raise_outside(shards, size)
+        for d in range(cols.ndim):
+            if max(map(add, cols.starts[d], cols.sizes[d])) > size[d]:
+                # Something sticks out; empty shards may, so look for a non-empty one the slow way.
+                _raise_outside(shards, size)
+                break
+        volumes = cols.sizes[0] if cols.ndim else [1] * len(shards)
+        for column in cols.sizes[1:]:
+            volumes = list(map(mul, volumes, column))
+        total = sum(volumes)
+    else:
+        total = 0
+    expected = math.prod(size)
+    if total != expected:
+        raise ValueError(
+            f"shards do not cover the tensor of size {size}: they hold {total} of its {expected} elements "
+            f"(Total volume of shards: {total} does not match tensor volume: {expected}, in other words all "
+            f"the individual shards do not cover the entire tensor; shards: {_describe(shards)})"
+        )
+
+
+def validate_layout(shards: Sequence[ShardMetadata], tensor_size: Sequence[int]) -> None:
+    """:func:`validate_non_overlapping` then :func:`check_covering`, sharing their columns.
+
+    What shardwise's constructors run. Shards cut along one dimension that
+    tile it end to end (chunk specs, rows, columns) are recognised in a few
+    passes over the shards, each in C.
+
+    Raises:
+        ValueError: as those two.
+    """
+    size = list(tensor_size)
+    if shards and _tiles_along_one_dim(shards, size):
+        return
+    columns = _Columns(shards) if shards else None
+    validate_non_overlapping(shards, columns)
+    check_covering(shards, tensor_size, columns)
+
+
+def _tiles_along_one_dim(shards: Sequence[ShardMetadata], size: list[int]) -> bool:
+    """True when the shards span every dim but one whole and tile that one end to end.
+
+    Such shards neither overlap nor leave a gap nor stick out. False means
+    "not recognised" (another layout, or an invalid one): the general checks
+    then decide, and name what is wrong.
+    """
+    n, ndim = len(shards), len(size)
+    offsets = [s.shard_offsets for s in shards]
+    if len(set(map(len, offsets))) != 1 or len(offsets[0]) != ndim:
+        return False
+    lengths = [s.shard_sizes for s in shards]
+    cut: Optional[tuple[int, list[int], list[int]]] = None
+    for d in range(ndim):
+        starts = list(map(itemgetter(d), offsets))
+        sizes = list(map(itemgetter(d), lengths))
+        if starts.count(starts[0]) == n and sizes.count(sizes[0]) == n:
+            if starts[0] != 0 or sizes[0] != size[d]:
+                return False
+        elif cut is not None or 0 in sizes:
+            return False
+        else:
+            cut = d, starts, sizes
+    if cut is None:
+        return n == 1
+    d, starts, sizes = cut
+    ends = list(map(add, starts, sizes))
+    if not all(map(le, starts, starts[1:])):
+        order = sorted(range(n), key=starts.__getitem__)
+        starts = list(map(starts.__getitem__, order))
+        ends = list(map(ends.__getitem__, order))
+    return starts[0] == 0 and ends[-1] == size[d] and ends[:-1] == starts[1:]
+
+
+def _raise_outside(shards: Sequence[ShardMetadata], size: list[Any]) -> None:
+    """Raise for the first shard of the wrong rank or the first non-empty one outside ``size``."""
+    for i, shard in enumerate(shards):
+        if len(shard.shard_offsets) != len(size):
+            raise ValueError(
+                f"shard {i} ({shard.describe()}) has {len(shard.shard_offsets)} dimensions, "
+                f"the tensor of size {size} has {len(size)} (Rank of tensor is {len(size)}, "
+                f"but shards rank is {len(shard.shard_offsets)})"
+            )
+        if 0 in shard.shard_sizes:
+            continue
+        for d, (offset, length, limit) in enumerate(zip(shard.shard_offsets, shard.shard_sizes, size, strict=True)):
+            if offset + length > limit:
+                raise ValueError(
+                    f"shard {i} ({shard.describe()}) ends at {offset + length} in dim {d}, "
+                    f"outside the tensor of size {size} (Shard offset {offset} and length {length} "
+                    f"exceeds tensor dim: {limit})"
+                )

@@ -1,0 +1,161 @@
+"""Shard validation (overlaps, covering) against a brute-force check, on every layout path.
+
+``shardwise._validation`` picks an algorithm by layout (one cut dim, two,
+three or more, a cell budget that falls back to a sweep, the fast tiling
+check of ``validate_layout``); these tests compare each with a cell-by-cell
+oracle on small random shard sets, and check the messages keep torch 2.13's
+wording. No timing here: ``benchmarks/validation.py`` compares speed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Optional
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shardwise import _validation
+from shardwise._metadata import ShardMetadata
+from shardwise._validation import check_covering, find_overlap, validate_layout, validate_non_overlapping
+
+
+def _cells(md: ShardMetadata) -> set[tuple[int, ...]]:
+    ranges = [range(o, o + s) for o, s in zip(md.shard_offsets, md.shard_sizes, strict=True)]
+    return set(itertools.product(*ranges))
+
+
+def _brute_overlap(shards: list[ShardMetadata]) -> bool:
+    cells = [_cells(s) for s in shards]
+    return any(cells[i] & cells[j] for i in range(len(shards)) for j in range(i + 1, len(shards)))
+
+
+def _brute_valid(shards: list[ShardMetadata], size: list[int]) -> bool:
+    """No overlap, every non-empty shard inside the tensor, every element covered."""
+    if _brute_overlap(shards):
+        return False
+    inside = all(
+        0 in s.shard_sizes or all(o + n <= lim for o, n, lim in zip(s.shard_offsets, s.shard_sizes, size, strict=True))
+        for s in shards
+    )
+    # Inside and disjoint: covered exactly when the cells add up to the tensor's.
+    return inside and sum(len(_cells(s)) for s in shards) == math.prod(size)
+
+
+def _box(ndim: int, extent: int) -> st.SearchStrategy[ShardMetadata]:
+    offsets = st.lists(st.integers(0, extent - 1), min_size=ndim, max_size=ndim)
+    sizes = st.lists(st.integers(0, 3), min_size=ndim, max_size=ndim)
+    return st.builds(lambda o, s: ShardMetadata(o, s, "rank:0/cpu"), offsets, sizes)
+
+
+@st.composite
+def shard_sets(draw: st.DrawFn) -> tuple[list[ShardMetadata], list[int]]:
+    """Random boxes in 1 to 4 dims; some dims shared by every shard so each algorithm gets its turn."""
+    ndim = draw(st.integers(1, 4))
+    shards = draw(st.lists(_box(ndim, 5), min_size=1, max_size=9))
+    # Make some dims uncut (every shard spans the same range): then 0, 1, 2 or 3+ dims are cut.
+    for d in range(ndim):
+        if draw(st.booleans()):
+            o, n = draw(st.integers(0, 2)), draw(st.integers(1, 3))
+            for s in shards:
+                s.shard_offsets[d], s.shard_sizes[d] = o, n
+    size = [
+        max([o + n for s in shards for o, n in [(s.shard_offsets[d], s.shard_sizes[d])]] + [1]) for d in range(ndim)
+    ]
+    return shards, size
+
+
+@st.composite
+def tilings(draw: st.DrawFn) -> tuple[list[ShardMetadata], list[int]]:
+    """A valid grid tiling (cut points per dim), shuffled, optionally with one shard perturbed."""
+    ndim = draw(st.integers(1, 3))
+    size = draw(st.lists(st.integers(1, 6), min_size=ndim, max_size=ndim))
+    cuts = [sorted(draw(st.sets(st.integers(1, max(1, n - 1)), max_size=3)) | {0, n}) for n in size]
+    shards = [
+        ShardMetadata([a for a, _ in cell], [b - a for a, b in cell], "rank:0/cpu")
+        for cell in itertools.product(*[list(zip(c, c[1:], strict=False)) for c in cuts])
+    ]
+    shards = draw(st.permutations(shards))
+    if draw(st.booleans()):
+        victim = draw(st.integers(0, len(shards) - 1))
+        d = draw(st.integers(0, ndim - 1))
+        shards[victim].shard_sizes[d] += draw(st.sampled_from([-1, 1]))
+        shards[victim].shard_sizes[d] = max(shards[victim].shard_sizes[d], 0)
+    return list(shards), size
+
+
+def _outcome(fn: object) -> Optional[str]:
+    try:
+        fn()  # type: ignore[operator]
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+@settings(max_examples=400, deadline=None)
+@given(shard_sets())
+def test_overlap_matches_brute_force(case: tuple[list[ShardMetadata], list[int]]) -> None:
+    shards, _ = case
+    pair = find_overlap(shards)
+    assert (pair is not None) == _brute_overlap(shards)
+    if pair is not None:
+        i, j = pair
+        assert i < j and _cells(shards[i]) & _cells(shards[j])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(shard_sets(), tilings()))
+def test_layout_matches_brute_force(case: tuple[list[ShardMetadata], list[int]]) -> None:
+    shards, size = case
+    expected = _brute_valid(shards, size)
+    combined = _outcome(lambda: validate_layout(shards, size))
+    separate = _outcome(lambda: (validate_non_overlapping(shards), check_covering(shards, size)))
+    assert (combined is None) == expected, (combined, shards, size)
+    assert combined == separate
+
+
+@settings(max_examples=200, deadline=None)
+@given(shard_sets())
+def test_sweep_fallback_matches_cells(case: tuple[list[ShardMetadata], list[int]]) -> None:
+    # The cell check's budget exhausted: the sweep must find the same answer.
+    shards, _ = case
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_validation, "_CELLS_PER_SHARD", -(10**9))
+        swept = find_overlap(shards)
+    assert (swept is not None) == _brute_overlap(shards)
+
+
+def test_messages_name_the_shards_and_carry_torch_wording() -> None:
+    a, b = ShardMetadata([0, 0], [3, 3], "rank:0/cpu"), ShardMetadata([2, 0], [3, 3], "rank:1/cpu")
+    with pytest.raises(ValueError, match=r"Shards.*overlap") as info:
+        validate_non_overlapping([a, b])
+    assert "shards 0 (offsets=[0, 0] sizes=[3, 3] on rank:0/cpu) and 1" in str(info.value)
+    with pytest.raises(ValueError, match=r"Rank of tensor is 3, but shards rank is 2"):
+        check_covering([a], [3, 3, 3])
+    with pytest.raises(ValueError, match=r"ends at 3 in dim 1.*exceeds tensor dim: 2"):
+        check_covering([a], [3, 2])
+    with pytest.raises(ValueError, match=r"does not match tensor volume.*do not cover the entire tensor"):
+        check_covering([a], [4, 3])
+    with pytest.raises(ValueError, match="Found inconsistent ranks for shards"):
+        validate_non_overlapping([a, ShardMetadata([0], [1], "rank:0/cpu")])
+
+
+def test_covering_message_lists_few_shards() -> None:
+    # A message naming 10^4 shards would be unreadable (and slow to build).
+    shards = [ShardMetadata([i], [1], "rank:0/cpu") for i in range(10_000)]
+    with pytest.raises(ValueError, match=r"and 9992 more") as info:
+        check_covering(shards, [10_001])
+    assert len(str(info.value)) < 2_000
+
+
+def test_many_column_shards_validate() -> None:
+    # The issue's case: column shards each spanning all of dim 0 (quadratic before; a sort now).
+    n = 20_000
+    shards = [ShardMetadata([0, i], [4, 1], f"rank:{i % 4}/cpu") for i in range(n)]
+    validate_layout(shards, [4, n])
+    validate_non_overlapping(shards)
+    shards.append(ShardMetadata([1, n - 1], [1, 1], "rank:0/cpu"))
+    with pytest.raises(ValueError, match=f"shards {n - 1} .* and {n} .* overlap"):
+        validate_non_overlapping(shards)
