@@ -254,7 +254,8 @@ def _check_pointwise(world_size: int, seen: dict[str, Any]) -> None:
     assert seen["same_boxes_other_spec"] == "ShardedTensor"
     for case in ("layout", "layout_inplace"):
         _expect(seen[case], "ValueError", "different layouts", "ChunkShardingSpec", "EnumerableShardingSpec", "reshard")
-    _expect(seen["plain"], "TypeError", "Shard it first")
+    # A TypeError and an OpNotFoundError (a RuntimeError, as torch raises).
+    _expect(seen["plain"], "UnsupportedOperandError", "Shard it first", "not supported for ShardedTensor!")
     # Python turns a TypeError from a binary operator into its own message
     _expect(seen["plain_operator"], "TypeError")
     _expect(seen["matmul"], "OpNotFoundError", "no sharded implementation of torch.matmul for ChunkShardingSpec")

@@ -98,7 +98,8 @@ def test_construction_and_local_errors() -> None:
         assert errors["outside_group"][0] == "ValueError" and "placed on rank 3, but the group has 3 rank(s)" in errors["outside_group"][1]
         assert errors["bad_size"][0] == "ValueError" and "do not cover" in errors["bad_size"][1]
         assert errors["rrefs"][0] == "NotImplementedError"
-        assert errors["meta_missing_shard"][0] == "ValueError" and f"rank {r} has no local shard" in errors["meta_missing_shard"][1]
+        assert errors["meta_missing_shard"][0] == "LocalShardsMismatchError"  # a ValueError and a RuntimeError
+        assert f"rank {r} passed 0 local shard(s), but the global metadata places 1" in errors["meta_missing_shard"][1]
         assert errors["local_tensor_wrong_size"][0] == "ValueError"
         if errors["two_local"][0] != "skip":
             assert errors["two_local"][0] == "NotImplementedError" and "needs exactly one local shard" in errors["two_local"][1]

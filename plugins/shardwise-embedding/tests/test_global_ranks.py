@@ -13,11 +13,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from emb_helpers import TEST_BACKEND, run
 
 import shardwise
 from shardwise.sharding_spec import ChunkShardingSpec
-
-from emb_helpers import TEST_BACKEND, run
 
 pytestmark = pytest.mark.skipif(TEST_BACKEND == "mpi", reason="needs torch process groups (new_group)")
 

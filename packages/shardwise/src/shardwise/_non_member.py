@@ -17,10 +17,10 @@ class NonMemberGroup(Group):
     torch's ``new_group`` returns ``GroupMember.NON_GROUP_MEMBER`` on the
     ranks it leaves out; every rank may still make the same call, and the
     ranks outside get a ShardedTensor with no local shards. This stand-in
-    (``rank`` -1, ``size`` 0, as ``torch.distributed.get_rank``/
-    ``get_world_size`` report there) lets the sharded-tensor code tell
-    such a rank apart (``is_member`` is False); it moves no data, and any
-    collective on it raises.
+    (``rank`` -1, as ``torch.distributed.get_rank`` reports there; ``size``
+    0 and ``ranks`` empty, as it knows no member) lets the sharded-tensor
+    code tell such a rank apart (``is_member`` is False); it moves no
+    data, and any collective on it raises.
     """
 
     is_member = False
@@ -32,6 +32,17 @@ class NonMemberGroup(Group):
     def global_rank(self) -> int:
         """-1: this rank has no rank in the group."""
         return -1
+
+    def group_rank(self, global_rank: int) -> int:
+        """Always raises: the members of a group this rank is outside of are unknown here.
+
+        Raises:
+            ValueError: always.
+        """
+        raise ValueError(
+            f"cannot translate global rank {global_rank}: this rank is not a member of the process group "
+            "(torch's GroupMember.NON_GROUP_MEMBER), so it does not know the group's members"
+        )
 
     def _refuse(self) -> NoReturn:
         raise RuntimeError(

@@ -357,7 +357,7 @@ def allgatherv(comm: Any, out: torch.Tensor, inp: torch.Tensor, counts: Sequence
     # of: no copy at all). MPI would copy a separate send buffer there itself.
     if not _is_slot(src, work, displs[rank]):
         start = displs[rank] // item
-        work.view(-1)[start : start + int(counts[rank])].copy_(_unaliased(src, work))
+        work.view(-1)[start : start + int(counts[rank])].copy_(_unaliased(src, work).view(-1))
         if work.is_cuda:
             torch.cuda.current_stream(work.device).synchronize()
     if all(s == sizes[0] for s in sizes):

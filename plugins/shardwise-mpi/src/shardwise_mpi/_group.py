@@ -79,7 +79,7 @@ __all__ = ["MpiGroup"]
 
 
 def _world_ranks(comm: Any) -> Optional[list[int]]:
-    """Each rank of ``comm`` as a rank of ``MPI.COMM_WORLD`` (placements name world ranks); None for the world itself."""
+    """Each rank of ``comm`` as a rank of ``MPI.COMM_WORLD`` (placements name world ranks); None for the world."""
     size = comm.Get_size()
     if size == MPI.COMM_WORLD.Get_size() and MPI.Comm.Compare(comm, MPI.COMM_WORLD) in (MPI.IDENT, MPI.CONGRUENT):
         return None

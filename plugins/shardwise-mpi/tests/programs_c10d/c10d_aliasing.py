@@ -141,11 +141,11 @@ def main() -> None:
     check("all_gather_into_tensor input is slot 0", out, gathered)
     in_place("all_gather_into_tensor input is slot 0", True)
     assert bool(ops.copies()) == (rank != 0), f"slot 0 on rank {rank}: copies {ops.copies()}"
-    # a separate input is copied into this rank's slot
-    out = torch.full((n * k,), -1.0)
+    # a separate input (of another shape) is copied into this rank's slot
+    out = torch.full((n, k), -1.0)
     with TensorOps() as ops:
-        dist.all_gather_into_tensor(out, mine(rank))
-    check("all_gather_into_tensor separate input", out, gathered)
+        dist.all_gather_into_tensor(out, mine(rank).view(1, k))
+    check("all_gather_into_tensor separate input", out.view(-1), gathered)
     in_place("all_gather_into_tensor separate input", True)
     assert ops.copies() == ["copy_"], f"separate input: copies {ops.copies()}"
     # the input straddles two slots

@@ -337,7 +337,7 @@ class ShardedTensor(torch.Tensor):
         local: list[Shard] = []
         if mine:
             local.append(Shard(local_tensor, mine[0]))
-        elif local_tensor.numel() != 0:
+        elif local_tensor.numel() != 0 and group.is_member:  # outside the group it is ignored, as in torch
             raise ValueError(
                 f"the spec places no shard on rank {group.global_rank}, but it passed a tensor of size "
                 f"{list(local_tensor.size())}"
