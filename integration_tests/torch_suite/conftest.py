@@ -36,7 +36,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     # The ranks (and suite_target, at import) read the environment.
-    for option, variable in (("--torch-suite-backend", "TORCH_SUITE_BACKEND"), ("--torch-suite-target", "TORCH_SUITE_TARGET")):
+    options = (("--torch-suite-backend", "TORCH_SUITE_BACKEND"), ("--torch-suite-target", "TORCH_SUITE_TARGET"))
+    for option, variable in options:
         value = config.getoption(option, default=None)
         if value:
             os.environ[variable] = value

@@ -107,11 +107,27 @@ def torch_pg_only(reason: str) -> Callable[[Callable[..., Any]], Callable[..., A
     return mark
 
 
-def differs_on_shardwise(reason: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Mark a test that asserts something shardwise deliberately does differently (README's table).
+#: The deliberate differences (rows of README's "Differences from torch.distributed._shard" table)
+#: that upstream tests assert torch's side of; SCOPE.md lists the tests.
+DIFFERENCES = {
+    "seeded-rand": "README differences, seeded rand/randn/nn.init: shardwise gives the same whole tensor for a seed "
+    "on any world size and spec; torch draws each shard from the local generator, which this test asserts",
+    "empty-chunk-offset": "README differences, empty trailing chunk offsets: shardwise starts an empty trailing chunk "
+    "where the tensor ends; torch at split * index (past the end), which this test asserts",
+    "reshard-any-spec": "README differences, reshard: shardwise reshards to any spec (here: ValueError, the spec "
+    "does not cover the tensor); torch refuses a non-chunk spec with NotImplementedError, which this test asserts",
+    "sharder-swaps-module": "README differences, Sharder in shard_module: shardwise replaces the submodule; torch sets "
+    "an attribute literally named mod_name on the parent and keeps the old module, which this test relies on "
+    "(its CustomShardedEBC has no forward)",
+}
 
-    It is skipped with ``reason`` against shardwise and runs against torch.
+
+def differs_on_shardwise(key: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Mark a test that asserts something shardwise deliberately does differently (a key of :data:`DIFFERENCES`).
+
+    It is skipped with the reason against shardwise and runs against torch.
     """
+    reason = DIFFERENCES[key]
 
     def mark(fn: Callable[..., Any]) -> Callable[..., Any]:
         fn._differs_on_shardwise = reason  # type: ignore[attr-defined]

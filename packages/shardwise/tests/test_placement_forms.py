@@ -114,6 +114,12 @@ def _rankless() -> dict[str, Any]:
     out["shard_tensor"] = outcome(lambda: shardwise.shard_tensor(torch.ones(4, 2), spec))
     out["reshard"] = outcome(lambda: mixed.reshard(spec))
     out["moved"] = _shards(torch.empty_like(sharded_tensor.ones(spec, 4, 2), device="cpu"))
+    worker = ChunkShardingSpec(0, ["trainer0/cpu", "rank:0/cpu"])  # parsed as torch does; a tensor needs RPC
+    out["worker"] = outcome(lambda: sharded_tensor.empty(worker, 4, 2))
+    try:
+        sharded_tensor.empty(worker, 4, 2)
+    except RuntimeError as exc:
+        out["worker_is_runtime_error"] = isinstance(exc, ValueError)
     return out
 
 
@@ -127,6 +133,8 @@ def test_rankless_placements_give_shards_no_rank_holds() -> None:
         assert seen["moved"] == seen["ones"]
         first = ([0, 0], [2, 2], "rank:1/cpu")
         assert seen["mixed"] == {"local": [first] if rank == 1 else [], "metadata": [first, ([2, 0], [2, 2], "cpu")]}
+        assert seen["worker"][0] == "PlacementError" and "RPC framework needs to be initialized" in seen["worker"][1]
+        assert seen["worker_is_runtime_error"] is True
         for case in ("shard_tensor", "reshard"):
             kind, message = seen[case]
             assert kind == "ValueError" and "which names no rank" in message, (rank, case, seen[case])

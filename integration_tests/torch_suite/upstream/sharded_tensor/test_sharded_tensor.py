@@ -13,8 +13,8 @@ import pickle
 
 import torch
 import torch.distributed as dist
-from suite_common import DEVICE, MyShardedModel1, _chunk_sharding_specs_list_for_test
-from suite_harness import differs_on_shardwise, ShardedTensorTestBase, out_of_scope, torch_pg_only, with_comms
+from suite_common import DEVICE, _chunk_sharding_specs_list_for_test
+from suite_harness import ShardedTensorTestBase, differs_on_shardwise, out_of_scope, torch_pg_only, with_comms
 from suite_target import load
 from torch.distributed.remote_device import _remote_device
 from torch.testing._internal.common_distributed import spawn_threads_and_init_comms
@@ -452,9 +452,7 @@ class TestShardedTensorChunked(ShardedTensorTestBase):
         self.assertEqual((expected_h, w), local_shard.size())
         self.assertEqual(local_shard, torch.zeros(expected_h, w))
 
-    @differs_on_shardwise(
-        "README differences: seeded rand/randn/nn.init give the same whole tensor for a seed on any world size and spec; torch draws each shard from the local generator, which this test asserts"
-    )
+    @differs_on_shardwise("seeded-rand")
     @with_comms
     def test_create_sharded_tensor_with_rand(self):
         """Test sharded_tensor.rand(...)/randn(...)"""
@@ -516,9 +514,7 @@ class TestShardedTensorChunked(ShardedTensorTestBase):
             torch.full(size=(expected_h, w), fill_value=fill_value, dtype=torch.int32),
         )
 
-    @differs_on_shardwise(
-        "README differences: seeded rand/randn/nn.init give the same whole tensor for a seed on any world size and spec; torch draws each shard from the local generator, which this test asserts (rand_like/randn_like)"
-    )
+    @differs_on_shardwise("seeded-rand")
     @with_comms
     def test_create_sharded_tensor_like(self):
         """Test tensor like methods, i.e. torch.zeros_like(...), torch.full_like, etc."""
@@ -580,9 +576,7 @@ class TestShardedTensorChunked(ShardedTensorTestBase):
                 self.assertEqual([10, 8], shard_metadata.shard_sizes)
                 self.assertEqual(f"rank:{rank}/cpu", str(shard_metadata.placement))
 
-    @differs_on_shardwise(
-        "README differences: an empty trailing chunk starts where the tensor ends; torch puts it at split * index, past the end, which this test asserts"
-    )
+    @differs_on_shardwise("empty-chunk-offset")
     def test_insufficient_sharding_dims(self):
         self.init_pg()
 

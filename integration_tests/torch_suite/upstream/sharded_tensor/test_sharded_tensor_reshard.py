@@ -7,7 +7,7 @@ from itertools import product
 
 import torch
 from suite_common import _chunk_sharding_specs_list_for_test
-from suite_harness import differs_on_shardwise, ShardedTensorTestBase, with_comms
+from suite_harness import ShardedTensorTestBase, differs_on_shardwise, with_comms
 from suite_target import load
 
 _shard_tensor, sharded_tensor = load("", "_shard_tensor", "sharded_tensor")
@@ -39,9 +39,7 @@ class TestReshard(ShardedTensorTestBase):
             self._run_sharded_tensor_reshard(spec, reshard_spec, [15, 26])
             self._run_sharded_tensor_reshard(spec, reshard_spec, [12, 24])
 
-    @differs_on_shardwise(
-        "README differences: reshard accepts any spec; torch refuses a non-chunk spec with NotImplementedError, which this test asserts (shardwise raises ValueError: the spec does not cover the tensor)"
-    )
+    @differs_on_shardwise("reshard-any-spec")
     @with_comms(init_rpc=False)
     def test_sharded_tensor_reshard_errors(self):
         specs = _chunk_sharding_specs_list_for_test([0, 1], seed=6)

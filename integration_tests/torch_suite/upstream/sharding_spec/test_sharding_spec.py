@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from typing import Union
 
 import torch
-from torch.testing._internal.common_utils import TestCase
 from suite_common import _chunk_sharding_specs_list_for_test
 from suite_harness import ShardedTensorTestBase, with_comms
 from suite_target import load
+from torch.testing._internal.common_utils import TestCase
 
 _shard_tensor, sharded_tensor = load("", "_shard_tensor", "sharded_tensor")
 ShardedTensor, ShardedTensorMetadata, TensorProperties = load(

@@ -4,7 +4,7 @@ CPU/gloo instead of CUDA/NCCL; the sharding API through ``suite_target``.
 """
 
 import torch
-from suite_harness import differs_on_shardwise, ShardedTensorTestBase, with_comms
+from suite_harness import ShardedTensorTestBase, differs_on_shardwise, with_comms
 from suite_target import load
 
 sharded_tensor = load("sharded_tensor")
@@ -16,9 +16,7 @@ SPEC_PLACEMENTS = ["rank:0/cpu", "rank:1/cpu", "rank:2/cpu", "rank:3/cpu"]
 class TestShardedTensorNNInit(ShardedTensorTestBase):
     """Testing torch.nn.init functions for ShardedTensor"""
 
-    @differs_on_shardwise(
-        "README differences: seeded rand/randn/nn.init give the same whole tensor for a seed on any world size and spec; torch draws each shard from the local generator, which this test asserts"
-    )
+    @differs_on_shardwise("seeded-rand")
     @with_comms
     def test_init_sharded_tensor_with_uniform(self):
         """Test torch.nn.init.uniform_(ShardedTensor, a, b)"""
@@ -41,9 +39,7 @@ class TestShardedTensorNNInit(ShardedTensorTestBase):
         torch.nn.init.uniform_(local_tensor_clone, a=a, b=b)
         self.assertEqual(local_tensor_clone, st.local_shards()[0].tensor)
 
-    @differs_on_shardwise(
-        "README differences: seeded rand/randn/nn.init give the same whole tensor for a seed on any world size and spec; torch draws each shard from the local generator, which this test asserts"
-    )
+    @differs_on_shardwise("seeded-rand")
     @with_comms
     def test_init_sharded_tensor_with_normal(self):
         """Test torch.nn.init.normal_(ShardedTensor, mean, std)"""
@@ -65,9 +61,7 @@ class TestShardedTensorNNInit(ShardedTensorTestBase):
         torch.nn.init.normal_(local_tensor_clone, mean=mean, std=std)
         self.assertEqual(local_tensor_clone, st.local_shards()[0].tensor)
 
-    @differs_on_shardwise(
-        "README differences: seeded rand/randn/nn.init give the same whole tensor for a seed on any world size and spec; torch draws each shard from the local generator, which this test asserts"
-    )
+    @differs_on_shardwise("seeded-rand")
     @with_comms
     def test_init_sharded_tensor_with_kaiming_uniform(self):
         """Test torch.nn.init.kaiming_uniform_(ShardedTensor, a, mode, nonlinearit)"""
