@@ -482,7 +482,11 @@ def register() -> None:
     rdzv = importlib.import_module("torch.distributed.rendezvous")
 
     if BACKEND_NAME.upper() not in dist.Backend._plugins:
-        dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu", "cuda"])
+        # Claim CUDA only where there is one: code that asks the backend for its
+        # preferred device (torch's ShardedTensor.gather, for one) takes any
+        # non-CPU device registered and would fail on a CPU-only host.
+        devices = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
+        dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=devices)
     handlers = rdzv._rendezvous_handlers
     if "mpi4py" not in handlers:
         rdzv.register_rendezvous_handler("mpi4py", _mpi_rendezvous_handler)

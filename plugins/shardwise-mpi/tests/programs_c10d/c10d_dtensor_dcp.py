@@ -78,6 +78,24 @@ def main(ckpt_dir: str) -> None:
     assert int(loaded["step"]) == 7
     checks.append("dcp save/load")
 
+    # torch's own ShardedTensor over "mpi4py": its gather allocates on the
+    # device it thinks the backend prefers, which must be the CPU on a host
+    # without CUDA (registering "cuda" unconditionally sent it to CUDA).
+    from torch.distributed._shard import sharded_tensor as torch_st
+    from torch.distributed._shard.sharding_spec import ChunkShardingSpec
+
+    spec = ChunkShardingSpec(0, [f"rank:{r}/cpu" for r in range(n)])
+    tst = torch_st.zeros(spec, 2 * n + 1, 3)
+    for shard in tst.local_shards():
+        shard.tensor.fill_(rank + 1)
+    gathered = torch.empty(2 * n + 1, 3) if rank == 0 else None
+    tst.gather(dst=0, out=gathered)
+    if gathered is not None:
+        rows = [len(c) for c in torch.arange(2 * n + 1).chunk(n)]
+        want = torch.cat([torch.full((k, 3), float(r + 1)) for r, k in enumerate(rows)])
+        assert torch.equal(gathered, want), gathered
+    checks.append("torch ShardedTensor gather")
+
     dist.destroy_process_group()
     print(f"OK {rank} {len(checks)}", flush=True)
 
