@@ -242,7 +242,8 @@ def test_placements_parse_or_raise_value_error(spec: Any) -> None:
     p = expect((ValueError,), lambda: Placement(spec))
     if p is None:
         return
-    assert p.rank() >= 0 and isinstance(p.device(), torch.device)
+    # A device alone ("cpu") or an RPC worker name places on no rank, as in torch.
+    assert (p.rank() is None or p.rank() >= 0) and isinstance(p.device(), torch.device)
     assert Placement(str(p)) == p and pickle.loads(pickle.dumps(p)) == p and hash(Placement(str(p))) == hash(p)
 
 
@@ -521,8 +522,12 @@ class _ThreadGroup:
 
     def __init__(self, wires: _Wires, rank: int) -> None:
         self.wires, self.rank, self.size = wires, rank, wires.world
+        self.global_rank = rank  # the world group: placements' global ranks are its ranks
         self.device = torch.device("cpu")
         self.calls = 0
+
+    def global_to_group(self) -> None:
+        return None  # group rank r is global rank r: nothing to translate
 
     def unverified(self) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()

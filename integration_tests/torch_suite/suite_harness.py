@@ -169,7 +169,8 @@ class ShardedTensorTestBase(TestCase):
 
     def destroy_comms(self, destroy_rpc: bool = True) -> None:
         if CTX.backend == "mpi":
-            import shardwise  # the mpi run only: shardwise is what is being tested
+            # Imported here, not at the top: the torch baseline's ranks never import shardwise.
+            import shardwise
 
             shardwise.get_default_group().barrier()
             return
@@ -254,7 +255,8 @@ def cases_of(relpath: str) -> list[Case]:
 def _barrier(tag: str) -> None:
     """All ranks meet before a test, outside any process group under test."""
     if CTX.backend == "mpi":
-        import shardwise  # the mpi run only
+        # Imported here, not at the top: the torch baseline's ranks never import shardwise.
+        import shardwise
 
         shardwise.get_default_group().barrier()
         return
@@ -324,7 +326,8 @@ def rank_main(relpath: str, backend: str, results_dir: str, only: Optional[list[
     target = os.environ.get("TORCH_SUITE_TARGET", "shardwise")
     CTX.backend = backend
     if backend == "mpi":
-        import shardwise  # run_ranks initialised it with the mpi backend
+        # run_ranks initialised it with the mpi backend (imported here: see destroy_comms).
+        import shardwise
 
         group = shardwise.get_default_group()
         CTX.rank, CTX.world_size = group.rank, group.size

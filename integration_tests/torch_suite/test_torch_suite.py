@@ -9,6 +9,9 @@ Environment:
     TORCH_SUITE_FILES: optional comma-separated ported files to run
         (``sharded_tensor/ops/test_init.py``); default all.
 
+The first two are also options (``--torch-suite-target``,
+``--torch-suite-backend``, see conftest.py).
+
 Each ported file runs in one launch of 4 ranks (``shardwise.testing.run_ranks``:
 a timeout, every rank's traceback); the first test of a file starts it and
 the others read its results.
@@ -96,6 +99,11 @@ def _merge(records: list[Any], launch_error: str) -> dict[str, Any]:
         causes = [(rank, cause_of(rec["detail"])) for rank, rec in failed]
         primary = next(((r, c) for r, c in causes if not any(s in c for s in _SECONDARY)), causes[0])
         head = f"{primary[1]}  [rank {primary[0]}; failed on rank(s) {ranks}]"
+        missing = [rank for rank, rec in enumerate(records) if rec is None]
+        if missing:
+            # A rank that died mid-test leaves no record; its peers' errors are secondary.
+            head += f"; no result from rank(s) {missing} (died?)"
+            details.append(f"--- launch ---\n{launch_error}")
         return {"status": "fail", "detail": head + "\n" + "\n".join(details)}
     missing = [rank for rank, rec in enumerate(records) if rec is None]
     if missing:
@@ -109,6 +117,8 @@ def _merge(records: list[Any], launch_error: str) -> dict[str, Any]:
 def test_upstream(case: Case) -> None:
     if BACKEND == "mpi" and TARGET != "shardwise":
         pytest.skip("torch 2.13 has no mpi backend here: the mpi run is for shardwise")
+    if BACKEND == "mpi":
+        pytest.importorskip("shardwise_mpi", reason="the mpi run needs shardwise-mpi[mpich]")
     if case.skip is not None:
         pytest.skip(case.skip)
     if case.file not in _RESULTS:

@@ -11,6 +11,7 @@ the same group where torch gets them right.
 
 from __future__ import annotations
 
+import io
 import warnings
 from typing import Any, Callable
 
@@ -73,7 +74,13 @@ def _subgroup_calls() -> dict[str, Any]:
     out["new_group"] = None if sub is None else (list(sub.ranks), sub.global_rank)
 
     spec = ChunkShardingSpec(0, ["rank:1/cpu", "rank:2/cpu"])
-    out["ones"] = _desc(sharded_tensor.ones(spec, 4, 6, process_group=pg))
+    ones = sharded_tensor.ones(spec, 4, 6, process_group=pg)
+    out["ones"] = _desc(ones)
+    saved = io.BytesIO()
+    torch.save(ones, saved)
+    saved.seek(0)
+    with shardwise.load_with_process_group(pg):
+        out["loaded"] = _desc(torch.load(saved))
     out["torch_ones"] = _desc(torch_st.ones(TorchSpec(0, ["rank:1/cpu", "rank:2/cpu"]), 4, 6, process_group=pg))
     out["outside"] = outcome(lambda: sharded_tensor.empty(ChunkShardingSpec(0, ["rank:0/cpu", "rank:2/cpu"]), 4, 6,
                                                           process_group=pg))
@@ -138,7 +145,7 @@ def test_placements_name_global_ranks_and_non_members_get_no_shards() -> None:
             assert seen["new_group"] is None
         # Creation: shards on global ranks 1 and 2; rank 0 holds none but knows the layout, as in torch.
         assert seen["ones"] == {"local": mine, "metadata": halves, "size": [4, 6]}, me
-        assert seen["torch_ones"] == seen["ones"], me
+        assert seen["torch_ones"] == seen["ones"] == seen["loaded"], me
         # A placement outside the group: refused on the members with torch's wording.
         if member:
             assert seen["outside"][0] == seen["torch_outside"][0] == "ValueError", me
@@ -199,3 +206,60 @@ def test_reshard_lists_shards_in_rank_order_as_torch(dim: int) -> None:
         assert seen["values"]
         assert seen["ours"] == seen["torch"]
         assert [p for *_, p in seen["ours"]] == ["rank:0/cpu", "rank:1/cpu", "rank:2/cpu"]
+
+
+class _Solo(shardwise.Group):
+    """A one-rank group whose backend knows nothing of global ranks unless told (``ranks=``)."""
+
+    def __init__(self, ranks: Any = None) -> None:
+        super().__init__(backend="solo", rank=0, size=1, device=torch.device("cpu"), ranks=ranks)
+
+    def _barrier(self) -> None:
+        pass
+
+    def _broadcast(self, buf: torch.Tensor, src: int) -> None:
+        pass
+
+    def _all_reduce(self, buf: torch.Tensor, op: str) -> None:
+        pass
+
+    def _all_gather(self, out: torch.Tensor, inp: torch.Tensor, counts: Any) -> None:
+        out.copy_(inp)
+
+    def _reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, counts: Any, op: str) -> None:
+        out.copy_(inp)
+
+    def _all_to_all(self, out: torch.Tensor, out_counts: Any, inp: torch.Tensor, in_counts: Any) -> None:
+        out.copy_(inp)
+
+    def _new_group(self, ranks: Any) -> shardwise.Group:
+        return _Solo()
+
+
+def test_groups_translate_between_global_and_group_ranks() -> None:
+    world = _Solo()
+    assert world.ranks == (0,) and world.global_rank == 0 and world.global_to_group() is None
+    assert world.group_rank(0) == 0
+    with pytest.raises(ValueError, match=r"Global rank 1 does not exist in input process group: \[0\]"):
+        world.group_rank(1)
+    sub = _Solo(ranks=[5])
+    assert sub.ranks == (5,) and sub.global_rank == 5 and sub.global_to_group() == {5: 0} and sub.group_rank(5) == 0
+    assert "ranks=[5]" in repr(sub)
+    with pytest.raises(ValueError, match=r"global rank 0 is not a member of this group \(global ranks \[5\]"):
+        sub.group_rank(0)
+    # A backend that numbers a new group only within itself: its members' global ranks come from the parent.
+    nested = sub.new_group([0])
+    assert nested is not None and nested.ranks == (5,) and nested.global_rank == 5
+    with pytest.raises(ValueError, match="distinct non-negative global ranks"):
+        _Solo(ranks=[1, 2])
+
+
+def test_resolve_group_takes_torchs_non_group_member() -> None:
+    from shardwise._runtime import resolve_group
+
+    group = resolve_group(dist.GroupMember.NON_GROUP_MEMBER)
+    assert not group.is_member and group.rank == -1 and group.ranks == ()
+    with pytest.raises(RuntimeError, match="not a member of the process group"):
+        group.barrier()
+    with pytest.raises(TypeError, match="NON_GROUP_MEMBER"):
+        resolve_group(-7)

@@ -113,6 +113,8 @@ def _rankless() -> dict[str, Any]:
     out["mixed"] = _shards(mixed)
     out["shard_tensor"] = outcome(lambda: shardwise.shard_tensor(torch.ones(4, 2), spec))
     out["reshard"] = outcome(lambda: mixed.reshard(spec))
+    out["gather"] = outcome(lambda: mixed.gather(0, torch.empty(4, 2) if shardwise.get_default_group().rank == 0 else None))
+    out["full_tensor"] = outcome(mixed.full_tensor)
     out["moved"] = _shards(torch.empty_like(sharded_tensor.ones(spec, 4, 2), device="cpu"))
     worker = ChunkShardingSpec(0, ["trainer0/cpu", "rank:0/cpu"])  # parsed as torch does; a tensor needs RPC
     out["worker"] = outcome(lambda: sharded_tensor.empty(worker, 4, 2))
@@ -135,6 +137,6 @@ def test_rankless_placements_give_shards_no_rank_holds() -> None:
         assert seen["mixed"] == {"local": [first] if rank == 1 else [], "metadata": [first, ([2, 0], [2, 2], "cpu")]}
         assert seen["worker"][0] == "PlacementError" and "RPC framework needs to be initialized" in seen["worker"][1]
         assert seen["worker_is_runtime_error"] is True
-        for case in ("shard_tensor", "reshard"):
+        for case in ("shard_tensor", "reshard", "gather", "full_tensor"):
             kind, message = seen[case]
             assert kind == "ValueError" and "which names no rank" in message, (rank, case, seen[case])

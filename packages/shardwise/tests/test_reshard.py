@@ -323,7 +323,7 @@ def test_bad_input_raises_on_every_rank() -> None:
 
 @pytest.mark.parametrize("bad", [None, "2", 2.0, True, 0, 9])
 def test_a_round_count_from_a_peer_must_be_an_int_from_1_to_8(bad: object) -> None:
-    from shardwise._scatter import _agreed_rounds
+    from shardwise._reshard import _agreed_rounds
 
     assert _agreed_rounds([1, 2, 1]) == 2
     with pytest.raises(ValueError, match=r"reshard: rank 1 sent the round count .*, not an int from 1 to 8"):

@@ -350,3 +350,15 @@ def test_error_classes_keep_old_except_clauses() -> None:
     assert issubclass(InvalidArgumentError, TypeError) and issubclass(InvalidArgumentError, ValueError)
     assert issubclass(LocalShardsMismatchError, ValueError) and issubclass(LocalShardsMismatchError, RuntimeError)
     assert issubclass(GroupMismatchError, RuntimeError) and issubclass(GroupMismatchError, ShardwiseError)
+
+
+def test_spec_inference_takes_torchs_offsets_for_empty_chunks() -> None:
+    # torch places an empty trailing chunk at split * index (here 6, past the end of 5 rows).
+    from shardwise.sharding_spec import infer_sharding_spec
+
+    placements = ["rank:1/cpu", "rank:0/cpu", "rank:3/cpu", "rank:2/cpu"]
+    sizes = [2, 2, 1, 0]
+    shards = [ShardMetadata([2 * i, 0], [n, 16], p) for i, (n, p) in enumerate(zip(sizes, placements, strict=True))]
+    spec = infer_sharding_spec(shards)
+    assert isinstance(spec, ChunkShardingSpec) and spec.dim == 0
+    assert [str(p) for p in spec.placements] == placements

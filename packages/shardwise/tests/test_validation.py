@@ -94,24 +94,31 @@ def _outcome(fn: object) -> Optional[str]:
     return None
 
 
+@pytest.mark.parametrize("few", [0, _validation._FEW], ids=["sweep-and-cells", "small-sweep"])
 @settings(max_examples=400, deadline=None)
-@given(shard_sets())
-def test_overlap_matches_brute_force(case: tuple[list[ShardMetadata], list[int]]) -> None:
+@given(case=shard_sets())
+def test_overlap_matches_brute_force(few: int, case: tuple[list[ShardMetadata], list[int]]) -> None:
+    # few=0: every multi-dim layout goes through the two-dim sweep or the cell check, as large ones do.
     shards, _ = case
-    pair = find_overlap(shards)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_validation, "_FEW", few)
+        pair = find_overlap(shards)
     assert (pair is not None) == _brute_overlap(shards)
     if pair is not None:
         i, j = pair
         assert i < j and _cells(shards[i]) & _cells(shards[j])
 
 
+@pytest.mark.parametrize("few", [0, _validation._FEW], ids=["sweep-and-cells", "small-sweep"])
 @settings(max_examples=300, deadline=None)
-@given(st.one_of(shard_sets(), tilings()))
-def test_layout_matches_brute_force(case: tuple[list[ShardMetadata], list[int]]) -> None:
+@given(case=st.one_of(shard_sets(), tilings()))
+def test_layout_matches_brute_force(few: int, case: tuple[list[ShardMetadata], list[int]]) -> None:
     shards, size = case
     expected = _brute_valid(shards, size)
-    combined = _outcome(lambda: validate_layout(shards, size))
-    separate = _outcome(lambda: (validate_non_overlapping(shards), check_covering(shards, size)))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_validation, "_FEW", few)
+        combined = _outcome(lambda: validate_layout(shards, size))
+        separate = _outcome(lambda: (validate_non_overlapping(shards), check_covering(shards, size)))
     assert (combined is None) == expected, (combined, shards, size)
     assert combined == separate
 
@@ -122,6 +129,7 @@ def test_sweep_fallback_matches_cells(case: tuple[list[ShardMetadata], list[int]
     # The cell check's budget exhausted: the sweep must find the same answer.
     shards, _ = case
     with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_validation, "_FEW", 0)
         mp.setattr(_validation, "_CELLS_PER_SHARD", -(10**9))
         swept = find_overlap(shards)
     assert (swept is not None) == _brute_overlap(shards)

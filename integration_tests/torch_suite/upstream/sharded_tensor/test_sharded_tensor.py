@@ -61,8 +61,6 @@ OUT_OF_SCOPE = {
     "TestShardedTensorChunked.test_partial_world_size": _RPC + "init_rrefs=True and remote_shards()",
     "TestShardedTensorChunked.test_new_group": _RPC + "init_rrefs=True and remote_shards()",
     "TestShardedTensorChunked.test_multiple_local_shards": _RPC + "init_rrefs=True and remote_shards()",
-    "TestShardedTensorChunked.test_invalid_sharding": _RPC + "worker-name placements, init_rrefs=True, "
-    "init_rpc() (its first checks need no RPC, but the test cannot run past them without it)",
     "TestShardedTensorChunked.test_invalid_pg_rpc_ranks": _RPC + "init_rpc() with shifted ranks",
     "TestShardedTensorChunked.test_sharded_tensor_sizes": _RPC + "every tensor is built with init_rrefs=True",
     "TestShardedTensorChunked.test_state_dict": _RPC + "MyShardedModel1 builds its tensors with init_rrefs=True",
@@ -575,6 +573,61 @@ class TestShardedTensorChunked(ShardedTensorTestBase):
                 self.assertEqual([0, rank * 8], shard_metadata.shard_offsets)
                 self.assertEqual([10, 8], shard_metadata.shard_sizes)
                 self.assertEqual(f"rank:{rank}/cpu", str(shard_metadata.placement))
+
+    @out_of_scope(
+        "RPC: ends with init_rpc() and a worker-name placement; before that, worker-name placements and "
+        "init_rrefs=True without RPC (run it with TORCH_SUITE_INCLUDE_OUT_OF_SCOPE=1: the harness has no "
+        "init_rpc, so it gets as far as that call)"
+    )
+    def test_invalid_sharding(self):
+        self.init_pg()
+
+        with self.assertRaisesRegex(NotImplementedError, "does not support named dimension"):
+            spec = ChunkShardingSpec(dim="H", placements=["rank:1/cpu"])
+            sharded_tensor.empty(spec, 10, 20)
+
+        for dim in [2, 3, 4, -3, -4, -5]:
+            spec = ChunkShardingSpec(dim=dim, placements=["rank:1/cpu"])
+            with self.assertRaisesRegex(ValueError, "Invalid sharding dim"):
+                sharded_tensor.empty(spec, 10, 20)
+
+        spec = ChunkShardingSpec(dim=0, placements=["rank:5/cpu"])
+        with self.assertRaisesRegex(ValueError, "Global rank 5 does not exist in input process group"):
+            sharded_tensor.empty(spec, 10, 20)
+
+        spec = ChunkShardingSpec(dim=0, placements=["rank:0/cpu"])
+        st = sharded_tensor.empty(spec, 10, 20)
+        tensor = torch.empty(10, 20)
+        with self.assertRaisesRegex(RuntimeError, r".*not supported for ShardedTensor!$"):
+            torch.add(st, tensor)
+
+        spec = ChunkShardingSpec(dim=0, placements=["rank:0/cpu"])
+        with self.assertRaisesRegex(ValueError, "Only torch.strided layout is currently supported"):
+            sharded_tensor.empty(spec, 10, 20, layout=torch.sparse_coo)
+
+        spec = ChunkShardingSpec(dim=0, placements=["rank:0/cpu"])
+        with self.assertRaisesRegex(
+            ValueError,
+            "Only torch.contiguous_format memory_format is currently supported",
+        ):
+            sharded_tensor.empty(spec, 10, 20, memory_format=torch.channels_last)
+
+        spec = ChunkShardingSpec(dim=0, placements=["worker0/cpu"])
+        with self.assertRaisesRegex(RuntimeError, "RPC framework needs to be initialized"):
+            sharded_tensor.empty(spec, 10, 20)
+
+        spec = ChunkShardingSpec(dim=0, placements=["rank:0/cpu"])
+        with self.assertRaisesRegex(RuntimeError, "RPC Framework needs to be initialized"):
+            st = sharded_tensor.empty(spec, 10, 20, init_rrefs=True)
+
+        with self.assertRaisesRegex(RuntimeError, "ShardedTensor created with init_rrefs=False"):
+            st = sharded_tensor.empty(spec, 10, 20)
+            st.remote_shards()
+
+        self.init_rpc()
+        spec = ChunkShardingSpec(dim=0, placements=["workerfoo/cpu"])
+        with self.assertRaisesRegex(ValueError, "Invalid worker name"):
+            sharded_tensor.empty(spec, 10, 20, init_rrefs=True)
 
     @differs_on_shardwise("empty-chunk-offset")
     def test_insufficient_sharding_dims(self):

@@ -1,4 +1,4 @@
-"""The ShardedTensor entry points that move data: ``shard_tensor``, ``reshard``, ``gather``, ``full_tensor``.
+"""The ShardedTensor entry points that move data: ``shard_tensor``, ``gather``, ``full_tensor`` (``reshard``: _reshard).
 
 Each validates its arguments locally (a failing rank calls
 ``Group.reject``, so its peers raise PeerError instead of hanging), then
@@ -33,7 +33,7 @@ from shardwise._metadata import (
     dtype_from_name,
     dtype_name,
 )
-from shardwise._plan import MAX_ROUNDS, owners, rounds_needed
+from shardwise._plan import owners
 from shardwise.errors import PeerError
 from shardwise.sharded_tensor._shard import Shard
 
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from shardwise.sharded_tensor import ShardedTensor
     from shardwise.sharding_spec import ShardingSpec
 
-__all__ = ["all_gather_tensor", "gather_to", "reshard_in_place", "scatter_tensor", "shard_tensor"]
+__all__ = ["all_gather_tensor", "gather_to", "scatter_tensor", "shard_tensor"]
 
 
 # -- agreement between ranks ---------------------------------------------------
@@ -59,8 +59,15 @@ def check_same(values: Sequence[Any], what: str, hint: str) -> None:
     """Raise ValueError naming rank 0's and the first differing rank's value, if any differ."""
     for r, value in enumerate(values):
         if value != values[0]:
+            # Also torch 2.13's wording ("src_rank=0 on rank: 0 does not match with src_rank=1 on rank: 1").
+            name = what.replace(" ", "_")
+            torch_words = (
+                f" ({name}={values[0]} on rank: 0 does not match with {name}={value} on rank: {r})"
+                if name.isidentifier()
+                else ""
+            )
             raise ValueError(
-                f"ranks disagree on the {what}: rank 0 passed {values[0]}, rank {r} passed {value}; {hint}"
+                f"ranks disagree on the {what}: rank 0 passed {values[0]}, rank {r} passed {value}; {hint}{torch_words}"
             )
 
 
@@ -180,7 +187,7 @@ def scatter_tensor(
 
     group = resolve_group(process_group)
     if not group.is_member:
-        return _outside_group(tensor, sharding_spec, src_rank)
+        return _outside_group(tensor, sharding_spec, group)
     try:
         payload = _local_payload(tensor, sharding_spec, src_rank, group)
     except (TypeError, ValueError) as exc:
@@ -202,7 +209,7 @@ def scatter_tensor(
     return ShardedTensor._create(sharding_spec, target, shards, group)
 
 
-def _outside_group(tensor: Any, spec: Any, src_rank: Any) -> ShardedTensor:
+def _outside_group(tensor: Any, spec: Any, group: Group) -> ShardedTensor:
     """``shard_tensor`` on a rank outside the group: no local shards, metadata from this rank's own arguments.
 
     Such a rank cannot hear from ``src_rank``; torch requires every rank to
@@ -217,9 +224,7 @@ def _outside_group(tensor: Any, spec: Any, src_rank: Any) -> ShardedTensor:
     if not isinstance(tensor, torch.Tensor) or isinstance(tensor, ShardedTensor):
         raise TypeError(f"shard_tensor takes a plain torch.Tensor, got {type(tensor).__name__}")
     md = spec.build_metadata(tensor.size(), TensorProperties.create_from_tensor(tensor))
-    from shardwise._non_member import NON_MEMBER
-
-    return ShardedTensor._create(spec, md, [], NON_MEMBER)
+    return ShardedTensor._create(spec, md, [], group)
 
 
 # -- gather and full_tensor ----------------------------------------------------
@@ -457,90 +462,3 @@ def _contiguous_result(
         if part.numel() and part.data_ptr() != base.data_ptr() + offset * item:
             return None
     return base.new_empty(0).set_(storage, base.storage_offset(), (expected,), (1,))
-
-
-# -- reshard ------------------------------------------------------------------
-
-
-def reshard_in_place(st: ShardedTensor, spec: ShardingSpec) -> ShardedTensor:
-    """Re-cut ``st`` by ``spec`` in place and return it (any spec to any spec).
-
-    Every rank calls it with the same spec. New local shards are leaves
-    with the tensor's ``requires_grad``.
-
-    Raises:
-        TypeError: ``spec`` is not a ShardingSpec (on that rank; peers raise
-            :class:`~shardwise.errors.PeerError`).
-        ValueError: ranks pass different specs, or the spec does not fit
-            the tensor's size or the group (on every rank).
-    """
-    from shardwise.sharding_spec import ShardingSpec
-
-    group = st._process_group
-    old = st._metadata
-    if not group.is_member:
-        # Outside the group: no data here, only the new global metadata (torch holds no shard there either).
-        if not isinstance(spec, ShardingSpec):
-            raise TypeError(f"reshard takes a ShardingSpec, got {type(spec).__name__}")
-        st._metadata = _in_rank_order(build_target(spec, old, group, "reshard"), old)
-        st._sharding_spec = spec
-        return st
-    try:
-        if not isinstance(spec, ShardingSpec):
-            raise TypeError(f"reshard takes a ShardingSpec, got {type(spec).__name__}")
-        mine: dict[str, Any] = {"spec": spec.to_dict(), "layout": layout_digest(old)}
-        target = _in_rank_order(build_target(spec, old, group, "reshard"), old)
-        have = match_sources(st._local_shards, old, group.global_rank)
-        # Each rank's own need; the exchange below makes every rank use the largest.
-        pl = plan(old, target, group.rank, group.size, group.global_to_group())
-        mine["rounds"] = rounds_needed(pl, old, target)
-    except (TypeError, ValueError) as exc:
-        group.reject(exc, op="reshard")
-    entries = group.exchange(mine, op="reshard")
-    check_same([e["spec"] for e in entries], "resharding spec", "every rank must reshard to the same spec")
-    check_same([e["layout"] for e in entries], "tensor's layout (digest of its metadata)", SAME_TENSOR)
-    rounds = _agreed_rounds([e.get("rounds") for e in entries])
-    if target.shards_metadata == old.shards_metadata:
-        # Same boxes on the same ranks: nothing moves, the shard tensors stay.
-        shards = [
-            Shard(have[j] if j in have else _empty(e, target.tensor_properties), e)
-            for j, e in enumerate(target.shards_metadata)
-            if e.rank == group.global_rank
-        ]
-    else:
-        shards = redistribute(st._local_shards, old, target, group, trusted=True, rounds=rounds)
-    st._sharding_spec = spec
-    st._metadata = target
-    st._local_shards = shards
-    return st
-
-
-def _in_rank_order(target: ShardedTensorMetadata, old: ShardedTensorMetadata) -> ShardedTensorMetadata:
-    """``target`` with its shards listed by rank, as torch's ``reshard`` lists them, unless nothing changes.
-
-    torch keeps the metadata of a reshard to the same layout (it returns the
-    tensor as it is), and otherwise fills one entry per rank in rank order.
-    The sort is stable, so several shards of one rank keep the spec's order.
-    """
-    if target.shards_metadata == old.shards_metadata:
-        return target
-    shards = sorted(target.shards_metadata, key=lambda e: -1 if e.rank is None else e.rank)
-    return ShardedTensorMetadata(shards, target.size, target.tensor_properties)
-
-
-def _agreed_rounds(counts: list[Any]) -> int:
-    """The largest round count the ranks asked for (every rank sees the same list, so all agree or all raise)."""
-    for rank, count in enumerate(counts):
-        if type(count) is not int or not 1 <= count <= MAX_ROUNDS:
-            raise ValueError(
-                f"reshard: rank {rank} sent the round count {count!r}, not an int from 1 to {MAX_ROUNDS}; "
-                "every rank must run the same shardwise version"
-            )
-    return max(int(count) for count in counts)
-
-
-def _empty(entry: ShardMetadata, props: TensorProperties) -> torch.Tensor:
-    """A shard a rank may omit because it holds no element."""
-    assert entry.placement is not None
-    device = entry.placement.device()
-    return torch.empty(entry.shard_sizes, dtype=props.dtype, device=device, requires_grad=props.requires_grad)

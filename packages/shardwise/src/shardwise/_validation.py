@@ -1,4 +1,4 @@
-"""Checks that shards neither overlap nor leave gaps, in O(n log n) for n shards.
+"""Checks that shards neither overlap nor leave gaps, in O(n log n) comparisons for n shards.
 
 ``validate_non_overlapping`` looks only at the dimensions along which the
 shards actually differ (a dimension every shard spans in the same way
@@ -15,7 +15,9 @@ cannot separate two of them):
   same elementary cell. Grids and other layouts whose shards span few
   cells are checked with one dict in time linear in the cells claimed;
   layouts where that would cost more than a few cells per shard fall back
-  to a sweep (as torch 2.13 does for every multi-dimensional layout).
+  to a sweep that compares each shard with those crossing the sweep line
+  (torch 2.13's method for every multi-dimensional layout; quadratic only
+  when many shards cross it, which grid-like layouts never make).
 
 ``check_covering`` then needs only the shards' volumes and bounds.
 Messages name the shards at fault, and also carry torch 2.13's wording
@@ -38,6 +40,9 @@ __all__ = ["check_covering", "find_overlap", "validate_layout", "validate_non_ov
 
 #: Shards listed at most in a covering error (a message must stay readable with 10^5 shards).
 _LISTED = 8
+
+#: Up to this many shards, a layout cut along several dims is checked by the plain sweep.
+_FEW = 16
 
 #: The cell check runs while the cells claimed stay within this many per shard (plus a constant).
 _CELLS_PER_SHARD = 8
@@ -62,7 +67,10 @@ def _check_dims(shards: Sequence[ShardMetadata]) -> int:
 
 def _overlaps(a: ShardMetadata, b: ShardMetadata, dims: Sequence[int]) -> bool:
     ao, asz, bo, bsz = a.shard_offsets, a.shard_sizes, b.shard_offsets, b.shard_sizes
-    return all(ao[d] < bo[d] + bsz[d] and bo[d] < ao[d] + asz[d] for d in dims)
+    for d in dims:
+        if ao[d] >= bo[d] + bsz[d] or bo[d] >= ao[d] + asz[d]:
+            return False
+    return True
 
 
 def _one_dim(starts: list[int], lengths: list[int]) -> Optional[tuple[int, int]]:
@@ -187,6 +195,8 @@ def find_overlap(shards: Sequence[ShardMetadata], columns: Optional[_Columns] = 
     """
     if not shards:
         return None
+    if columns is None and len(shards) <= _FEW:
+        return _find_overlap_few(shards)
     cols = columns if columns is not None else _Columns(shards)
     if not cols.uniform:
         _check_dims(shards)
@@ -217,7 +227,10 @@ def find_overlap(shards: Sequence[ShardMetadata], columns: Optional[_Columns] = 
         # Sweep along the dim with the most distinct starts: fewest shards cross the sweep line.
         a = max(sharded, key=lambda d: len(set(starts_by_dim[d])))
         local = range(len(sub))
-        if len(sharded) == 2:
+        if len(sub) <= _FEW:
+            # So few that the plain sweep's lower overhead wins.
+            pair = _sweep(sub, local, sharded, a)
+        elif len(sharded) == 2:
             pair = _two_dims(sub, local, a, sharded[0] if a == sharded[1] else sharded[1])
         else:
             try:
@@ -228,6 +241,35 @@ def find_overlap(shards: Sequence[ShardMetadata], columns: Optional[_Columns] = 
         return None
     i, j = sorted((idx[pair[0]], idx[pair[1]]))
     return i, j
+
+
+def _find_overlap_few(shards: Sequence[ShardMetadata]) -> Optional[tuple[int, int]]:
+    """:func:`find_overlap` for a handful of shards: plain loops cost less than building columns."""
+    ndim = len(shards[0].shard_offsets)
+    for shard in shards:
+        if len(shard.shard_offsets) != ndim:
+            _check_dims(shards)
+    idx = [i for i, s in enumerate(shards) if 0 not in s.shard_sizes]
+    if len(idx) < 2:
+        return None
+    ref_offsets, ref_sizes = shards[idx[0]].shard_offsets, shards[idx[0]].shard_sizes
+    sharded = []
+    for d in range(ndim):
+        for i in idx:
+            if shards[i].shard_offsets[d] != ref_offsets[d] or shards[i].shard_sizes[d] != ref_sizes[d]:
+                sharded.append(d)
+                break
+    if not sharded:
+        return idx[0], idx[1]
+    if len(sharded) > 1:
+        pair = _sweep(shards, idx, sharded, sharded[0])
+        return None if pair is None else (min(pair), max(pair))
+    d = sharded[0]
+    spans = sorted((shards[i].shard_offsets[d], shards[i].shard_offsets[d] + shards[i].shard_sizes[d], i) for i in idx)
+    for (_, end, i), (start, _, j) in zip(spans, spans[1:], strict=False):
+        if end > start:
+            return (i, j) if i < j else (j, i)
+    return None
 
 
 def validate_non_overlapping(shards: Sequence[ShardMetadata], columns: Optional[_Columns] = None) -> None:
@@ -270,7 +312,9 @@ def check_covering(
             shards leave elements uncovered.
     """
     size = list(tensor_size)
-    if shards:
+    if columns is None and len(shards) <= _FEW:
+        total = _covered_few(shards, size)
+    elif shards:
         cols = columns if columns is not None else _Columns(shards)
         if not cols.uniform or cols.ndim != len(size):
             _raise_outside(shards, size)
@@ -294,6 +338,25 @@ def check_covering(
         )
 
 
+def _covered_few(shards: Sequence[ShardMetadata], size: list[int]) -> int:
+    """The elements a handful of shards hold, raising for one of the wrong rank or outside ``size``."""
+    ndim = len(size)
+    total = 0
+    for shard in shards:
+        offsets, lengths = shard.shard_offsets, shard.shard_sizes
+        if len(offsets) != ndim:
+            _raise_outside(shards, size)
+        volume = 1
+        outside = False
+        for start, length, limit in zip(offsets, lengths, size, strict=True):
+            volume *= length
+            outside = outside or start + length > limit
+        if outside and volume:
+            _raise_outside(shards, size)
+        total += volume
+    return total
+
+
 def validate_layout(shards: Sequence[ShardMetadata], tensor_size: Sequence[int]) -> None:
     """:func:`validate_non_overlapping` then :func:`check_covering`, sharing their columns.
 
@@ -307,7 +370,7 @@ def validate_layout(shards: Sequence[ShardMetadata], tensor_size: Sequence[int])
     size = list(tensor_size)
     if shards and _tiles_along_one_dim(shards, size):
         return
-    columns = _Columns(shards) if shards else None
+    columns = _Columns(shards) if len(shards) > _FEW else None
     validate_non_overlapping(shards, columns)
     check_covering(shards, tensor_size, columns)
 

@@ -400,6 +400,19 @@ class ShardedTensor(torch.Tensor):
         """The shardwise :class:`~shardwise.Group` the tensor lives in."""
         return self._process_group
 
+    def remote_shards(self) -> dict[int, list[Any]]:
+        """torch's RRefs to other ranks' shards; shardwise has no RPC, so there are none.
+
+        Raises:
+            NotImplementedError: always (a ``RuntimeError``, as torch raises for
+                a tensor built with ``init_rrefs=False``).
+        """
+        raise NotImplementedError(
+            "remote_shards() needs torch RPC, which shardwise does not support; read other ranks' shards with "
+            "full_tensor() or gather() (torch: ShardedTensor created with init_rrefs=False, no RRefs to remote "
+            "shards available)"
+        )
+
     # -- data movement -----------------------------------------------------
     def reshard(self, resharding_spec: ShardingSpec) -> ShardedTensor:
         """Re-cut the tensor by ``resharding_spec`` in place, and return it.
@@ -409,7 +422,7 @@ class ShardedTensor(torch.Tensor):
         and no rank ever holds the whole tensor. Every rank calls it with
         the same spec (checked: a mismatch is a ValueError on every rank).
         """
-        from shardwise._scatter import reshard_in_place
+        from shardwise._reshard import reshard_in_place
 
         return reshard_in_place(self, resharding_spec)
 
@@ -528,7 +541,10 @@ class ShardedTensor(torch.Tensor):
 
 def _check_no_rrefs(init_rrefs: bool) -> None:
     if init_rrefs:
-        raise NotImplementedError("init_rrefs=True (torch RPC remote shards) is not supported by shardwise")
+        raise NotImplementedError(
+            "init_rrefs=True (torch RPC remote shards) is not supported by shardwise, which has no RPC; pass "
+            "init_rrefs=False (torch: RPC Framework needs to be initialized for init_rrefs=True)"
+        )
 
 
 ShardedTensorBase = ShardedTensor

@@ -152,7 +152,8 @@ def _check_conflicts(plan: ShardingPlan) -> None:
     if conflicts:
         raise RuntimeError(
             "ShardingPlan is invalid: " + "; ".join(conflicts) + ". A Sharder shards its whole submodule tree, so "
-            "no other entry may lie inside it; remove one entry of each pair"
+            "no other entry may lie inside it; remove one entry of each pair (an entry should not conflict with the "
+            "submodule tree of a Sharder)"
         )
 
 
@@ -193,7 +194,8 @@ def validate_plan(module: nn.Module, plan: ShardingPlan) -> None:
     if unknown:
         raise AttributeError(
             f"ShardingPlan names what {type(module).__name__} does not have: {', '.join(unknown)}; "
-            "plan keys are dotted parameter names ('fc1.weight') or submodule paths ('fc1')"
+            "plan keys are dotted parameter names ('fc1.weight') or submodule paths ('fc1') (the module has no "
+            "attribute of that path)"
         )
     for name, owner, param_name in params:
         check_parameter(owner, param_name, where=f"ShardingPlan entry '{name}'")

@@ -67,9 +67,7 @@ class ShardingSpec(ABC):
     """
 
     @abstractmethod
-    def build_metadata(
-        self, tensor_sizes: Sequence[int], tensor_properties: TensorProperties
-    ) -> ShardedTensorMetadata:
+    def build_metadata(self, tensor_sizes: Sequence[int], tensor_properties: TensorProperties) -> ShardedTensorMetadata:
         """The metadata of a tensor of ``tensor_sizes`` sharded by this spec.
 
         Raises:
@@ -166,7 +164,7 @@ class ChunkShardingSpec(ShardingSpec):
         if isinstance(dim, bool) or not isinstance(dim, int):
             # Also a ValueError, which torch 2.13 raised here.
             raise InvalidArgumentError(
-                f"ChunkShardingSpec dim must be an int (Sharding dim needs to be an integer), got {dim!r}"
+                f"ChunkShardingSpec dim must be an int, got {dim!r} (Sharding dim needs to be an integer)"
             )
         placed = _placements(placements)
         if not placed:
@@ -322,7 +320,9 @@ def infer_sharding_spec(
             continue
         if any([s.shard_sizes[d] for d in others] != full for s in shards):
             continue
-        ordered = sorted(shards, key=lambda s: s.shard_offsets[dim])
+        # Empty trailing chunks go last wherever they sit: torch puts them at split * index, shardwise where
+        # the tensor ends, and either way they hold nothing.
+        ordered = sorted(shards, key=lambda s: (s.shard_sizes[dim] == 0, s.shard_offsets[dim]))
         total = sum(s.shard_sizes[dim] for s in ordered)
         if tensor_size is not None and [*full[:dim], total, *full[dim:]] != list(tensor_size):
             continue
@@ -330,12 +330,10 @@ def infer_sharding_spec(
         offset = 0
         ok = True
         for shard, length in zip(ordered, expected, strict=False):
-            if shard.shard_sizes[dim] != length or shard.shard_offsets[dim] != offset:
+            if shard.shard_sizes[dim] != length or (length and shard.shard_offsets[dim] != offset):
                 ok = False
                 break
             offset += length
         if ok:
             return ChunkShardingSpec(dim, [s.placement for s in ordered])
     return EnumerableShardingSpec(shards)
-
-
