@@ -21,9 +21,10 @@ import torch.distributed as dist
 from torch import nn
 
 import shardwise
-from shardwise import sharded_tensor
+from shardwise import checkpoint, sharded_tensor
 from shardwise.sharded_tensor import Shard, ShardMetadata
 from shardwise.sharding_spec import ChunkShardingSpec
+from shardwise.testing import current_rank_dir
 from shardwise.torch_group import wrap_process_group
 
 from rank_helpers import HAS_TORCH_PG, outcome, run
@@ -81,6 +82,10 @@ def _subgroup_calls() -> dict[str, Any]:
     saved.seek(0)
     with shardwise.load_with_process_group(pg):
         out["loaded"] = _desc(torch.load(saved))
+    rebuilt = sharded_tensor.ShardedTensor._init_from_local_shards_and_global_metadata(
+        ones.local_shards(), ones.metadata(), process_group=pg
+    )
+    out["from_global"] = _desc(rebuilt)
     out["torch_ones"] = _desc(torch_st.ones(TorchSpec(0, ["rank:1/cpu", "rank:2/cpu"]), 4, 6, process_group=pg))
     out["outside"] = outcome(lambda: sharded_tensor.empty(ChunkShardingSpec(0, ["rank:0/cpu", "rank:2/cpu"]), 4, 6,
                                                           process_group=pg))
@@ -120,6 +125,13 @@ def _subgroup_calls() -> dict[str, Any]:
 
     st.reshard(ChunkShardingSpec(1, ["rank:2/cpu", "rank:1/cpu"]))
     out["reshard"] = (_desc(st), _values(st))
+    if member:
+        # A checkpoint of the subgroup's tensor loads into another layout on the same subgroup.
+        path = str(current_rank_dir() / "checkpoint")
+        checkpoint.save({"w": st}, path, process_group=pg)
+        loaded = sharded_tensor.zeros(spec, 4, 6, process_group=pg)
+        checkpoint.load({"w": loaded}, path, process_group=pg)
+        out["checkpoint"] = (_desc(loaded), _values(loaded))
 
     model = nn.Linear(6, 4, bias=False)
     with torch.no_grad():
@@ -145,7 +157,7 @@ def test_placements_name_global_ranks_and_non_members_get_no_shards() -> None:
             assert seen["new_group"] is None
         # Creation: shards on global ranks 1 and 2; rank 0 holds none but knows the layout, as in torch.
         assert seen["ones"] == {"local": mine, "metadata": halves, "size": [4, 6]}, me
-        assert seen["torch_ones"] == seen["ones"] == seen["loaded"], me
+        assert seen["torch_ones"] == seen["ones"] == seen["loaded"] == seen["from_global"], me
         # A placement outside the group: refused on the members with torch's wording.
         if member:
             assert seen["outside"][0] == seen["torch_outside"][0] == "ValueError", me
@@ -176,6 +188,9 @@ def test_placements_name_global_ranks_and_non_members_get_no_shards() -> None:
         assert desc["metadata"] == [([0, 3], [4, 3], "rank:1/cpu"), ([0, 0], [4, 3], "rank:2/cpu")], me
         assert [v[0] for v in values] == ([[0, 3]] if me == 1 else [[0, 0]] if me == 2 else [])
         assert all(ok for _, ok in values)
+        if member:
+            desc, values = seen["checkpoint"]
+            assert desc["local"] == mine and all(ok for _, ok in values), me
         desc, values = seen["shard_parameter"]
         assert desc == {"local": mine, "metadata": halves, "size": [4, 6]} and all(ok for _, ok in values), me
 

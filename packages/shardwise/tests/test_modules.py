@@ -289,7 +289,7 @@ def modules_bad_inputs() -> dict[str, tuple[str, str]]:
 EXPECTED_ALL = {
     "missing_all": ("AttributeError", "_Net has no attribute `nothing`"),
     "not_tensor": ("ValueError", "Expected _Net.foo to be a Tensor, but found int"),
-    "buffer": ("ValueError", "Linear.buf is a buffer or plain tensor attribute, not a parameter"),
+    "buffer": ("KeyError", "Linear.buf is a buffer or plain tensor attribute, not a parameter"),
     "bad_spec": ("TypeError", "shard_parameter('weight'): expected a ShardingSpec, got str"),
     "already": ("ValueError", "Linear.weight is already a ShardedTensor; use its reshard(spec)"),
     "conflict": (

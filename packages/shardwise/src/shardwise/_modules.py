@@ -157,7 +157,9 @@ def shard_parameter(
 
     Raises:
         AttributeError: ``module`` has no attribute ``param_name``.
-        ValueError: it is not a tensor, not a parameter, already sharded,
+        KeyError: it is a buffer or plain attribute, not a parameter (torch 2.13 raises this KeyError
+            after scattering; shardwise before any data moves).
+        ValueError: it is not a tensor, already sharded,
             or not contiguous; or ranks disagree on the spec or src_rank.
         TypeError: ``sharding_spec`` is not a ShardingSpec.
         PeerError: another rank's arguments failed these checks.

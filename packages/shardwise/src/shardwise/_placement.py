@@ -128,10 +128,10 @@ class Placement:
             raise invalid("expected 'rank:R' before the '/'")
         if len(parts) == 1:
             return None, device, worker
-        text = parts[1].strip()
-        if text.startswith("-") and text[1:].isdigit():
+        text = parts[1]
+        if text.startswith("-") and text[1:].isascii() and text[1:].isdigit():
             raise invalid("rank must be >= 0")
-        if not text.isdigit():
+        if not (text.isascii() and text.isdigit()):
             raise invalid(f"rank {parts[1]!r} is not an integer")
         return int(text), device, None
 

@@ -44,6 +44,10 @@ _LISTED = 8
 #: Up to this many shards, a layout cut along several dims is checked by the plain sweep.
 _FEW = 16
 
+#: Up to this many shards, the public checks run their small-count paths: no shared columns to build,
+#: so their fixed cost stays below torch 2.13's (what ``benchmarks/validation.py`` measures).
+_SMALL = 512
+
 #: The cell check runs while the cells claimed stay within this many per shard (plus a constant).
 _CELLS_PER_SHARD = 8
 
@@ -73,7 +77,7 @@ def _overlaps(a: ShardMetadata, b: ShardMetadata, dims: Sequence[int]) -> bool:
     return True
 
 
-def _one_dim(starts: list[int], lengths: list[int]) -> Optional[tuple[int, int]]:
+def _one_dim(starts: Sequence[int], lengths: Sequence[int]) -> Optional[tuple[int, int]]:
     """Local indices of two overlapping intervals, or None (maps and sorts in C: this is the common case)."""
     ends = list(map(add, starts, lengths))
     order: Optional[list[int]] = None
@@ -173,16 +177,18 @@ def _sweep(
 
 
 class _Columns:
-    """The shards' offsets and sizes, one list per dimension (built once, read by both checks)."""
+    """The shards' offsets and sizes, one tuple per dimension (built once, read by both checks)."""
 
     def __init__(self, shards: Sequence[ShardMetadata]) -> None:
         self.ndim = len(shards[0].shard_offsets) if shards else 0
         offsets = [s.shard_offsets for s in shards]
         self.uniform = len(set(map(len, offsets))) <= 1
         if self.uniform:
-            lengths = [s.shard_sizes for s in shards]
-            self.starts = [list(map(itemgetter(d), offsets)) for d in range(self.ndim)]
-            self.sizes = [list(map(itemgetter(d), lengths)) for d in range(self.ndim)]
+            # zip(*rows) transposes in C; every row has ndim entries here, so nothing is cut short.
+            self.starts: Sequence[Sequence[int]] = list(zip(*offsets, strict=True)) if self.ndim else []
+            self.sizes: Sequence[Sequence[int]] = (
+                list(zip(*[s.shard_sizes for s in shards], strict=True)) if self.ndim else []
+            )
 
 
 def find_overlap(shards: Sequence[ShardMetadata], columns: Optional[_Columns] = None) -> Optional[tuple[int, int]]:
@@ -195,8 +201,8 @@ def find_overlap(shards: Sequence[ShardMetadata], columns: Optional[_Columns] = 
     """
     if not shards:
         return None
-    if columns is None and len(shards) <= _FEW:
-        return _find_overlap_few(shards)
+    if columns is None and len(shards) <= _SMALL:
+        return _find_overlap_small(shards)
     cols = columns if columns is not None else _Columns(shards)
     if not cols.uniform:
         _check_dims(shards)
@@ -243,33 +249,50 @@ def find_overlap(shards: Sequence[ShardMetadata], columns: Optional[_Columns] = 
     return i, j
 
 
-def _find_overlap_few(shards: Sequence[ShardMetadata]) -> Optional[tuple[int, int]]:
-    """:func:`find_overlap` for a handful of shards: plain loops cost less than building columns."""
-    ndim = len(shards[0].shard_offsets)
-    for shard in shards:
-        if len(shard.shard_offsets) != ndim:
-            _check_dims(shards)
-    idx = [i for i, s in enumerate(shards) if 0 not in s.shard_sizes]
+def _find_overlap_small(shards: Sequence[ShardMetadata]) -> Optional[tuple[int, int]]:
+    """:func:`find_overlap` for up to ``_SMALL`` shards: plain loops, whose fixed cost is lowest there."""
+    n = len(shards)
+    if n < 2:
+        return None
+    offsets = [s.shard_offsets for s in shards]
+    if len(set(map(len, offsets))) != 1:
+        _check_dims(shards)
+    first_sizes = shards[0].shard_sizes
+    ndim = len(first_sizes)
+    # Transposed in C (every row has ndim entries: checked above).
+    starts_by_dim = list(zip(*offsets, strict=True))
+    sizes_by_dim = list(zip(*[s.shard_sizes for s in shards], strict=True))
+    sharded = [
+        d
+        for d in range(ndim)
+        if starts_by_dim[d].count(starts_by_dim[d][0]) != n or sizes_by_dim[d].count(sizes_by_dim[d][0]) != n
+    ]
+    if len(sharded) == 1:
+        d = sharded[0]
+        if 0 in first_sizes and any(first_sizes[k] == 0 for k in range(ndim) if k != d):
+            return None  # a dim every shard spans is empty: so is every shard
+        # Sorted by start, an overlap shows between neighbours (empty intervals skipped: they hold nothing).
+        prev_end, prev = -1, -1
+        for start, length, i in sorted(zip(starts_by_dim[d], sizes_by_dim[d], range(n))):
+            if length:
+                if start < prev_end:
+                    return (prev, i) if prev < i else (i, prev)
+                prev_end, prev = start + length, i
+        return None
+    idx = [i for i, size in enumerate(map(itemgetter(0), sizes_by_dim)) if size] if ndim else list(range(n))
+    if 0 in [0 for column in sizes_by_dim if 0 in column]:
+        idx = [i for i, s in enumerate(shards) if 0 not in s.shard_sizes]
+    else:
+        idx = list(range(n))
     if len(idx) < 2:
         return None
-    ref_offsets, ref_sizes = shards[idx[0]].shard_offsets, shards[idx[0]].shard_sizes
-    sharded = []
-    for d in range(ndim):
-        for i in idx:
-            if shards[i].shard_offsets[d] != ref_offsets[d] or shards[i].shard_sizes[d] != ref_sizes[d]:
-                sharded.append(d)
-                break
     if not sharded:
         return idx[0], idx[1]
-    if len(sharded) > 1:
-        pair = _sweep(shards, idx, sharded, sharded[0])
-        return None if pair is None else (min(pair), max(pair))
-    d = sharded[0]
-    spans = sorted((shards[i].shard_offsets[d], shards[i].shard_offsets[d] + shards[i].shard_sizes[d], i) for i in idx)
-    for (_, end, i), (start, _, j) in zip(spans, spans[1:], strict=False):
-        if end > start:
-            return (i, j) if i < j else (j, i)
-    return None
+    a = max(sharded, key=lambda d: len(set(starts_by_dim[d])))
+    pair = _sweep(shards, idx, sharded, a)
+    if pair is None:
+        return None
+    return (pair[0], pair[1]) if pair[0] < pair[1] else (pair[1], pair[0])
 
 
 def validate_non_overlapping(shards: Sequence[ShardMetadata], columns: Optional[_Columns] = None) -> None:
@@ -312,8 +335,8 @@ def check_covering(
             shards leave elements uncovered.
     """
     size = list(tensor_size)
-    if columns is None and len(shards) <= _FEW:
-        total = _covered_few(shards, size)
+    if columns is None:
+        total = _covered(shards, size)
     elif shards:
         cols = columns if columns is not None else _Columns(shards)
         if not cols.uniform or cols.ndim != len(size):
@@ -338,20 +361,47 @@ def check_covering(
         )
 
 
-def _covered_few(shards: Sequence[ShardMetadata], size: list[int]) -> int:
-    """The elements a handful of shards hold, raising for one of the wrong rank or outside ``size``."""
+def _covered(shards: Sequence[ShardMetadata], size: list[int]) -> int:
+    """The elements the shards hold, raising for one of the wrong rank or a non-empty one outside ``size``.
+
+    One pass with no intermediate lists; the common ranks unpack each shard's
+    offsets and sizes into locals (a shard of another rank fails to unpack).
+    """
     ndim = len(size)
     total = 0
+    if ndim == 2:
+        lim0, lim1 = size
+        for shard in shards:
+            try:
+                o0, o1 = shard.shard_offsets
+                z0, z1 = shard.shard_sizes
+            except ValueError:
+                _raise_outside(shards, size)
+                raise
+            volume = z0 * z1
+            if volume and (o0 + z0 > lim0 or o1 + z1 > lim1):
+                _raise_outside(shards, size)
+            total += volume
+        return total
+    if ndim == 1:
+        (lim,) = size
+        for shard in shards:
+            try:
+                (o,) = shard.shard_offsets
+                (z,) = shard.shard_sizes
+            except ValueError:
+                _raise_outside(shards, size)
+                raise
+            if z and o + z > lim:
+                _raise_outside(shards, size)
+            total += z
+        return total
     for shard in shards:
         offsets, lengths = shard.shard_offsets, shard.shard_sizes
         if len(offsets) != ndim:
             _raise_outside(shards, size)
-        volume = 1
-        outside = False
-        for start, length, limit in zip(offsets, lengths, size, strict=True):
-            volume *= length
-            outside = outside or start + length > limit
-        if outside and volume:
+        volume = math.prod(lengths)
+        if volume and any(map(gt, map(add, offsets, lengths), size)):
             _raise_outside(shards, size)
         total += volume
     return total
@@ -368,9 +418,14 @@ def validate_layout(shards: Sequence[ShardMetadata], tensor_size: Sequence[int])
         ValueError: as those two.
     """
     size = list(tensor_size)
-    if shards and _tiles_along_one_dim(shards, size):
+    if len(shards) <= _SMALL:
+        # The public checks' small-count paths cost less than recognising a tiling first.
+        validate_non_overlapping(shards)
+        check_covering(shards, size)
         return
-    columns = _Columns(shards) if len(shards) > _FEW else None
+    if _tiles_along_one_dim(shards, size):
+        return
+    columns = _Columns(shards)
     validate_non_overlapping(shards, columns)
     check_covering(shards, tensor_size, columns)
 

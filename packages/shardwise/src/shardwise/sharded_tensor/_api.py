@@ -19,7 +19,7 @@ from shardwise.sharded_tensor._shard import Shard
 from shardwise.sharding_spec import ShardingSpec
 from shardwise.sharding_spec._api import infer_sharding_spec
 
-__all__ = ["ShardedTensor", "flatten_size", "validate_placements"]
+__all__ = ["ShardedTensor", "ShardedTensorBase", "flatten_size", "validate_placements"]
 
 
 def flatten_size(size: Sequence[Any]) -> torch.Size:
@@ -106,7 +106,67 @@ def _local_device(shards: Sequence[ShardMetadata], group: Any) -> torch.device:
     return torch.device("cpu")
 
 
-class ShardedTensor(torch.Tensor):
+class ShardedTensorBase(torch.Tensor):
+    """torch 2.13's base class of :class:`ShardedTensor`; every ShardedTensor is one.
+
+    It adds one constructor of its own, the container form of
+    :meth:`_init_from_local_shards_and_global_metadata` that ties the
+    tensor to no process group.
+    """
+
+    @staticmethod
+    def __new__(cls, sharding_spec: ShardingSpec, *size: Any, **kwargs: Any) -> ShardedTensor:
+        # Only ShardedTensor holds data: the base builds one, as constructing it did when it was an alias.
+        return ShardedTensor(sharding_spec, *size, **kwargs)
+
+    @classmethod
+    def _init_from_local_shards_and_global_metadata(
+        cls,
+        local_shards: list[Shard],
+        sharded_tensor_metadata: ShardedTensorMetadata,
+        sharding_spec: Optional[ShardingSpec] = None,
+    ) -> ShardedTensor:
+        """Build from shards and the global metadata with no process group and no rank checks.
+
+        As torch 2.13's ``ShardedTensorBase`` variant, which "does not do
+        cross rank validations": every shard passed is held by this object,
+        whichever rank its placement names and whether or not a process
+        group exists, and the tensor is tied to no group.
+
+        Args:
+            local_shards: The shards this object holds; each must be an
+                entry of the metadata (they need not be contiguous).
+            sharded_tensor_metadata: The global metadata.
+            sharding_spec: The spec; inferred from the metadata when None.
+
+        Returns:
+            A :class:`ShardedTensor` (as torch's) with no process group.
+
+        Raises:
+            ValueError: the metadata has no shards, is not strided, its
+                shards overlap or do not tile the size, or a shard's tensor
+                disagrees with the properties.
+            LocalShardsMismatchError: a shard is not an entry of the
+                metadata, or two shards have the same entry.
+        """
+        shards_md = sharded_tensor_metadata.shards_metadata
+        props = sharded_tensor_metadata.tensor_properties
+        if not shards_md:
+            raise ValueError("shards_metadata must not be empty")
+        if props.layout != torch.strided:
+            raise ValueError(
+                f"only torch.strided layout is supported, got {props.layout} (Only torch.strided "
+                "layout is currently supported)"
+            )
+        validate_layout(shards_md, list(sharded_tensor_metadata.size))
+        local = shards_without_group(local_shards, sharded_tensor_metadata)
+        spec = sharding_spec
+        if spec is None:
+            spec = infer_sharding_spec(shards_md, sharded_tensor_metadata.size)
+        return ShardedTensor._create(spec, sharded_tensor_metadata, local, None)
+
+
+class ShardedTensor(ShardedTensorBase):
     """A tensor cut into shards that live on the ranks of a process group.
 
     Every rank holds a ``ShardedTensor`` object with the global metadata
@@ -230,8 +290,9 @@ class ShardedTensor(torch.Tensor):
         return r
 
     # -- construction from shards ------------------------------------------
+    # torch 2.13's signature, which inserts process_group and init_rrefs before the base's sharding_spec.
     @classmethod
-    def _init_from_local_shards_and_global_metadata(
+    def _init_from_local_shards_and_global_metadata(  # type: ignore[override]
         cls,
         local_shards: list[Shard],
         sharded_tensor_metadata: ShardedTensorMetadata,
@@ -259,6 +320,11 @@ class ShardedTensor(torch.Tensor):
         from shardwise._runtime import resolve_group
 
         _check_no_rrefs(init_rrefs)
+        if process_group is None and no_default_group():
+            # No group anywhere: torch's ShardedTensorBase form, every shard passed is held here.
+            return super()._init_from_local_shards_and_global_metadata(
+                local_shards, sharded_tensor_metadata, sharding_spec=sharding_spec
+            )
         shards_md = sharded_tensor_metadata.shards_metadata
         props = sharded_tensor_metadata.tensor_properties
         if not shards_md:
@@ -268,17 +334,11 @@ class ShardedTensor(torch.Tensor):
                 f"only torch.strided layout is supported, got {props.layout} (Only torch.strided "
                 "layout is currently supported)"
             )
-        no_group = process_group is None and no_default_group()
-        group = None if no_group else resolve_group(process_group)
-        if group is not None:
-            validate_placements(shards_md, group)
+        group = resolve_group(process_group)
+        validate_placements(shards_md, group)
         validate_layout(shards_md, list(sharded_tensor_metadata.size))
-        if group is None:
-            # No group anywhere (torch's ShardedTensorBase): every shard passed is held here.
-            local = shards_without_group(local_shards, sharded_tensor_metadata)
-        else:
-            mine = [md for md in shards_md if _is_local(md, group)]
-            local = match_local_shards(local_shards, mine, props, group.global_rank)
+        mine = [md for md in shards_md if _is_local(md, group)]
+        local = match_local_shards(local_shards, mine, props, group.global_rank)
         spec = sharding_spec
         if spec is None:
             spec = infer_sharding_spec(shards_md, sharded_tensor_metadata.size)
@@ -547,5 +607,4 @@ def _check_no_rrefs(init_rrefs: bool) -> None:
         )
 
 
-ShardedTensorBase = ShardedTensor
 TensorLike = Union[torch.Tensor, ShardedTensor]

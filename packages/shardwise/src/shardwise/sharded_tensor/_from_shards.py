@@ -119,7 +119,7 @@ def init_from_local_shards(
             (their offsets are recomputed; the other dims' sizes come from
             the lowest rank's shard).
         process_group: Group, torch ProcessGroup or None.
-        init_rrefs: Must be False.
+        init_rrefs: Must be False; checked after the shards are validated.
 
     Returns:
         The ShardedTensor; its spec is inferred from the shards (a chunk
@@ -132,10 +132,12 @@ def init_from_local_shards(
             passing them. A rank whose own input is bad raises the real
             error; its peers raise :class:`~shardwise.errors.PeerError`.
         TypeError: a local shard is not a :class:`Shard`.
+        NotImplementedError: ``init_rrefs`` is True and the shards are valid.
     """
     from shardwise._runtime import resolve_group
 
-    _check_no_rrefs(init_rrefs)
+    # As torch 2.13: the shards are validated first (so bad input raises its ValueError even with
+    # init_rrefs=True) and only a valid tensor needs the RPC shardwise lacks.
     group = resolve_group(process_group)
     if not group.is_member:
         # As in torch, which gathers nothing on such a rank and finds no shard.
@@ -190,6 +192,7 @@ def init_from_local_shards(
         shards_md, size = stacked_along_dim0(shards_md)
     validate_placements(shards_md, group)
     validate_layout(shards_md, size)
+    _check_no_rrefs(init_rrefs)
     metadata = ShardedTensorMetadata(shards_md, torch.Size(size), props)
     spec = infer_sharding_spec(shards_md, size)
     mine = [s for s in shards_md if s.placement is not None and s.placement.rank() == group.global_rank]

@@ -39,8 +39,9 @@ def check_parameter(module: nn.Module, param_name: str, where: str = "") -> torc
         TypeError: ``module`` is not an nn.Module.
         AttributeError: no such attribute (as torch 2.13).
         ValueError: it is not a tensor (as torch 2.13), already sharded,
-            a buffer or a plain attribute rather than a parameter, or not
-            contiguous (as torch 2.13).
+            or not contiguous (as torch 2.13).
+        KeyError: it is a buffer or a plain attribute rather than a
+            parameter (torch 2.13's error, raised there after scattering).
     """
     from shardwise.sharded_tensor._api import ShardedTensor
 
@@ -55,15 +56,18 @@ def check_parameter(module: nn.Module, param_name: str, where: str = "") -> torc
         raise ValueError(f"{label}{owner} is already a ShardedTensor; use its reshard(spec) to change the sharding")
     if not isinstance(tensor, torch.Tensor):
         raise ValueError(f"{label}Expected {owner} to be a Tensor, but found {type(tensor).__name__}")
-    if param_name not in module._parameters:
-        raise ValueError(
-            f"{label}{owner} is a buffer or plain tensor attribute, not a parameter; shard_parameter replaces "
-            "parameters (use shard_tensor for other tensors)"
-        )
     if not tensor.is_contiguous():
         raise ValueError(
             f"{label}param: {param_name} is not a contiguous Tensor; make it contiguous first "
             f"(module.{param_name} = nn.Parameter(module.{param_name}.contiguous()))"
+        )
+    if param_name not in module._parameters:
+        # torch 2.13 scatters it and then fails in register_parameter with this KeyError; raised here
+        # before any data moves, after the checks torch makes first.
+        raise KeyError(
+            f"{label}{owner} is a buffer or plain tensor attribute, not a parameter, so it cannot be replaced "
+            f"by a sharded parameter (attribute '{param_name}' already exists); delete it and register an "
+            "nn.Parameter, or use shard_tensor for other tensors"
         )
     return tensor
 

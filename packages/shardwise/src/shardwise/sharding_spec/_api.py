@@ -41,9 +41,12 @@ class PlacementSpec(ABC):  # noqa: B024 - a marker base, as in torch
     """Base class for specs that say where a whole tensor (or shard) lives."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class DevicePlacementSpec(PlacementSpec):
     """Place a whole tensor on one rank and device.
+
+    Mutable and unhashable, as torch 2.13's dataclass; assigning ``device``
+    parses it as the constructor does.
 
     Args:
         device: ``rank:R/DEVICE`` string or :class:`Placement`.
@@ -55,14 +58,20 @@ class DevicePlacementSpec(PlacementSpec):
     device: Placement
 
     def __init__(self, device: Union[str, Placement, Any]) -> None:
-        object.__setattr__(self, "device", Placement(device))
+        self.device = device  # type: ignore[assignment]  # __setattr__ makes it a Placement
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "device":
+            value = Placement(value)
+        super().__setattr__(name, value)
 
 
 class ShardingSpec(ABC):
     """How a tensor is cut into shards and where the shards live.
 
-    Subclasses implement :meth:`build_metadata`. Specs compare and hash by
-    value, and :meth:`to_dict` gives a JSON-safe form that ranks exchange
+    Subclasses implement :meth:`build_metadata`. The built-in specs compare
+    by value and, as torch 2.13's dataclasses, are mutable and so
+    unhashable; :meth:`to_dict` gives a JSON-safe form that ranks exchange
     to check that they agree.
     """
 
@@ -132,15 +141,35 @@ def _tensor_sizes(tensor_sizes: Sequence[int]) -> list[int]:
 def _placements(values: Sequence[Any]) -> tuple[Placement, ...]:
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
         raise TypeError(f"placements must be a list of 'rank:R/DEVICE' strings, got {values!r}")
-    return tuple(Placement(v) for v in values)
+    placed = tuple(Placement(v) for v in values)
+    if not placed:
+        raise ValueError("ChunkShardingSpec needs at least one placement")
+    return placed
 
 
-@dataclass(frozen=True)
+def _chunk_dim(dim: Any) -> int:
+    if isinstance(dim, str):
+        raise NotImplementedError(f"ChunkShardingSpec does not support named dimensions (dim={dim!r})")
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        # Also a ValueError, which torch 2.13 raised here.
+        raise InvalidArgumentError(
+            f"ChunkShardingSpec dim must be an int, got {dim!r} (Sharding dim needs to be an integer)"
+        )
+    return dim
+
+
+@dataclass
 class ChunkShardingSpec(ShardingSpec):
     """Shard along one dimension into ``torch.chunk``-sized pieces.
 
     Piece ``i`` goes to ``placements[i]``, so ``len(placements)`` pieces are
     made; when the dimension is shorter than that, trailing pieces are empty.
+
+    Mutable and unhashable, as torch 2.13's dataclass: ``spec.placements =
+    [...]`` and ``spec.dim = ...`` are checked and normalised as the
+    constructor's arguments are (placements become a tuple of
+    :class:`Placement`). A tensor built from the spec keeps the spec object
+    (as torch's), so mutate a spec only before sharding with it.
 
     Args:
         dim: The dimension to shard (negative counts from the end).
@@ -159,18 +188,16 @@ class ChunkShardingSpec(ShardingSpec):
     placements: tuple[Placement, ...]
 
     def __init__(self, dim: Union[int, str], placements: Sequence[Union[str, Placement, Any]]) -> None:
-        if isinstance(dim, str):
-            raise NotImplementedError(f"ChunkShardingSpec does not support named dimensions (dim={dim!r})")
-        if isinstance(dim, bool) or not isinstance(dim, int):
-            # Also a ValueError, which torch 2.13 raised here.
-            raise InvalidArgumentError(
-                f"ChunkShardingSpec dim must be an int, got {dim!r} (Sharding dim needs to be an integer)"
-            )
-        placed = _placements(placements)
-        if not placed:
-            raise ValueError("ChunkShardingSpec needs at least one placement")
-        object.__setattr__(self, "dim", dim)
-        object.__setattr__(self, "placements", placed)
+        self.dim = dim  # type: ignore[assignment]  # __setattr__ checks it (a str raises)
+        self.placements = placements  # type: ignore[assignment]  # __setattr__ makes it a tuple
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Assignments are checked as the constructor's arguments, so a spec is never left invalid.
+        if name == "dim":
+            value = _chunk_dim(value)
+        elif name == "placements":
+            value = _placements(value)
+        super().__setattr__(name, value)
 
     def build_metadata(
         self, tensor_sizes: Sequence[int], tensor_properties: Optional[TensorProperties] = None
@@ -198,8 +225,33 @@ class ChunkShardingSpec(ShardingSpec):
         return {"type": "chunk", "dim": self.dim, "placements": [str(p) for p in self.placements]}
 
 
+def _checked_shards(values: Sequence[ShardMetadata]) -> list[ShardMetadata]:
+    """``values`` as a list, checked as :class:`EnumerableShardingSpec` requires."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise TypeError(f"shards must be a list of ShardMetadata, got {type(values).__name__}")
+    shards = list(values)
+    if not shards:
+        raise ValueError("EnumerableShardingSpec needs at least one shard (Empty shard list provided)")
+    for i, shard in enumerate(shards):
+        if not isinstance(shard, ShardMetadata):
+            raise TypeError(f"shard {i} must be a ShardMetadata, got {type(shard).__name__}")
+    ndim = len(shards[0].shard_offsets)
+    for i, shard in enumerate(shards):
+        if len(shard.shard_offsets) != ndim:
+            raise ValueError(
+                f"all shards must have the same number of dimensions: shard 0 ({shards[0].describe()}) "
+                f"has {ndim}, shard {i} ({shard.describe()}) has {len(shard.shard_offsets)} "
+                "(Found inconsistent ranks for shards)"
+            )
+    validate_non_overlapping(shards)
+    return shards
+
+
 class EnumerableShardingSpec(ShardingSpec):
     """Shards listed explicitly (grids, uneven blocks), one :class:`ShardMetadata` each.
+
+    Mutable and unhashable, as torch 2.13's dataclass; assigning ``shards``
+    checks the new list as the constructor does.
 
     Args:
         shards: The shards; they must not overlap and must all have the same
@@ -212,23 +264,15 @@ class EnumerableShardingSpec(ShardingSpec):
             (the message names both).
     """
 
+    shards: list[ShardMetadata]
+
     def __init__(self, shards: Sequence[ShardMetadata]) -> None:
-        shards = list(shards)
-        if not shards:
-            raise ValueError("EnumerableShardingSpec needs at least one shard (Empty shard list provided)")
-        for i, shard in enumerate(shards):
-            if not isinstance(shard, ShardMetadata):
-                raise TypeError(f"shard {i} must be a ShardMetadata, got {type(shard).__name__}")
-        ndim = len(shards[0].shard_offsets)
-        for i, shard in enumerate(shards):
-            if len(shard.shard_offsets) != ndim:
-                raise ValueError(
-                    f"all shards must have the same number of dimensions: shard 0 ({shards[0].describe()}) "
-                    f"has {ndim}, shard {i} ({shard.describe()}) has {len(shard.shard_offsets)} "
-                    "(Found inconsistent ranks for shards)"
-                )
-        validate_non_overlapping(shards)
-        self.shards = shards
+        self.shards = shards  # type: ignore[assignment]  # __setattr__ checks it and makes it a list
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "shards":
+            value = _checked_shards(value)
+        super().__setattr__(name, value)
 
     def build_metadata(
         self, tensor_sizes: Sequence[int], tensor_properties: Optional[TensorProperties] = None
@@ -249,8 +293,8 @@ class EnumerableShardingSpec(ShardingSpec):
             return NotImplemented
         return self.shards == other.shards
 
-    def __hash__(self) -> int:
-        return hash(tuple(self.shards))
+    # Mutable, so unhashable (as torch's dataclass): a hash of the shards would change under assignment.
+    __hash__ = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
         return f"EnumerableShardingSpec(shards={self.shards!r})"
