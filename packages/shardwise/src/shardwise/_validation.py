@@ -30,7 +30,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
-from operator import add, gt, itemgetter, le, mul
+from operator import add, gt, itemgetter, le, mul, sub
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 if TYPE_CHECKING:
@@ -250,44 +250,58 @@ def find_overlap(shards: Sequence[ShardMetadata], columns: Optional[_Columns] = 
 
 
 def _find_overlap_small(shards: Sequence[ShardMetadata]) -> Optional[tuple[int, int]]:
-    """:func:`find_overlap` for up to ``_SMALL`` shards: plain loops, whose fixed cost is lowest there."""
+    """:func:`find_overlap` for up to ``_SMALL`` shards: few passes, each in C where it can be."""
     n = len(shards)
     if n < 2:
         return None
     offsets = [s.shard_offsets for s in shards]
-    if len(set(map(len, offsets))) != 1:
+    lengths = [s.shard_sizes for s in shards]
+    try:
+        # Transposed in C; strict, so shards with different numbers of dims raise here.
+        starts_by_dim = list(zip(*offsets, strict=True))
+    except ValueError:
         _check_dims(shards)
-    first_sizes = shards[0].shard_sizes
-    ndim = len(first_sizes)
-    # Transposed in C (every row has ndim entries: checked above).
-    starts_by_dim = list(zip(*offsets, strict=True))
-    sizes_by_dim = list(zip(*[s.shard_sizes for s in shards], strict=True))
-    sharded = [
-        d
-        for d in range(ndim)
-        if starts_by_dim[d].count(starts_by_dim[d][0]) != n or sizes_by_dim[d].count(sizes_by_dim[d][0]) != n
-    ]
-    if len(sharded) == 1:
-        d = sharded[0]
-        if 0 in first_sizes and any(first_sizes[k] == 0 for k in range(ndim) if k != d):
-            return None  # a dim every shard spans is empty: so is every shard
-        # Sorted by start, an overlap shows between neighbours (empty intervals skipped: they hold nothing).
-        prev_end, prev = -1, -1
-        for start, length, i in sorted(zip(starts_by_dim[d], sizes_by_dim[d], range(n))):
-            if length:
-                if start < prev_end:
-                    return (prev, i) if prev < i else (i, prev)
-                prev_end, prev = start + length, i
-        return None
-    idx = [i for i, size in enumerate(map(itemgetter(0), sizes_by_dim)) if size] if ndim else list(range(n))
-    if 0 in [0 for column in sizes_by_dim if 0 in column]:
-        idx = [i for i, s in enumerate(shards) if 0 not in s.shard_sizes]
+        raise
+    first_sizes = lengths[0]
+    if lengths.count(first_sizes) == n:
+        # Every shard has the same size (row, column and grid layouts): only starts can differ.
+        if 0 in first_sizes:
+            return None  # every shard is empty
+        sharded = [d for d, starts in enumerate(starts_by_dim) if starts.count(starts[0]) != n]
+        if len(sharded) == 1:
+            # Equal intervals overlap exactly when two sorted starts are closer than their length.
+            starts = sorted(starts_by_dim[sharded[0]])
+            if min(map(sub, starts[1:], starts)) >= first_sizes[sharded[0]]:
+                return None
+            return _one_dim(starts_by_dim[sharded[0]], [first_sizes[sharded[0]]] * n)
+        sizes_by_dim: Sequence[Sequence[int]] = [(size,) * n for size in first_sizes]
     else:
-        idx = list(range(n))
+        sizes_by_dim = list(zip(*lengths, strict=True))
+        sharded = [
+            d
+            for d, starts in enumerate(starts_by_dim)
+            if starts.count(starts[0]) != n or sizes_by_dim[d].count(sizes_by_dim[d][0]) != n
+        ]
+        if len(sharded) == 1 and not any(0 in column for column in sizes_by_dim):
+            # Sorted by start, an overlap shows between neighbours.
+            d = sharded[0]
+            prev_end = -1
+            for start, length in sorted(zip(starts_by_dim[d], sizes_by_dim[d], strict=True)):
+                if start < prev_end:
+                    return _one_dim(starts_by_dim[d], sizes_by_dim[d])  # which two: rare, so found again
+                prev_end = start + length
+            return None
+    idx: Sequence[int] = range(n)
+    if any(0 in column for column in sizes_by_dim):
+        idx = [i for i, s in enumerate(shards) if 0 not in s.shard_sizes]
     if len(idx) < 2:
         return None
     if not sharded:
         return idx[0], idx[1]
+    if len(sharded) == 1:
+        d = sharded[0]
+        pair = _one_dim([starts_by_dim[d][i] for i in idx], [sizes_by_dim[d][i] for i in idx])
+        return None if pair is None else tuple(sorted((idx[pair[0]], idx[pair[1]])))  # type: ignore[return-value]
     a = max(sharded, key=lambda d: len(set(starts_by_dim[d])))
     pair = _sweep(shards, idx, sharded, a)
     if pair is None:
@@ -306,7 +320,10 @@ def validate_non_overlapping(shards: Sequence[ShardMetadata], columns: Optional[
         ValueError: naming an overlapping pair and their boxes, or two
             shards with different numbers of dimensions.
     """
-    pair = find_overlap(shards, columns)
+    if columns is None and len(shards) <= _SMALL:
+        pair = _find_overlap_small(shards)
+    else:
+        pair = find_overlap(shards, columns)
     if pair is not None:
         i, j = pair
         raise ValueError(
@@ -380,6 +397,20 @@ def _covered(shards: Sequence[ShardMetadata], size: list[int]) -> int:
                 raise
             volume = z0 * z1
             if volume and (o0 + z0 > lim0 or o1 + z1 > lim1):
+                _raise_outside(shards, size)
+            total += volume
+        return total
+    if ndim == 3:
+        lim0, lim1, lim2 = size
+        for shard in shards:
+            try:
+                o0, o1, o2 = shard.shard_offsets
+                z0, z1, z2 = shard.shard_sizes
+            except ValueError:
+                _raise_outside(shards, size)
+                raise
+            volume = z0 * z1 * z2
+            if volume and (o0 + z0 > lim0 or o1 + z1 > lim1 or o2 + z2 > lim2):
                 _raise_outside(shards, size)
             total += volume
         return total
