@@ -108,33 +108,53 @@ def torch_pg_only(reason: str) -> Callable[[Callable[..., Any]], Callable[..., A
 
 
 #: The deliberate differences (rows of README's "Differences from torch.distributed._shard" table)
-#: that upstream tests assert torch's side of; SCOPE.md lists the tests.
-DIFFERENCES = {
-    "seeded-rand": "README differences, seeded rand/randn/nn.init: shardwise gives the same whole tensor for a seed "
-    "on any world size and spec; torch draws each shard from the local generator, which this test asserts",
-    "empty-chunk-offset": "README differences, empty trailing chunk offsets: shardwise starts an empty trailing chunk "
-    "where the tensor ends; torch at split * index (past the end), which this test asserts",
-    "shard-any-spec": "README differences, EnumerableShardingSpec.shard / shard_tensor with an Enumerable spec: "
-    "shardwise shards with any spec (here: ValueError, the spec does not cover the tensor); torch raises "
-    "NotImplementedError 'not implemented yet!', which this test's last check asserts",
-    "reshard-any-spec": "README differences, reshard: shardwise reshards to any spec (here: ValueError, the spec "
-    "does not cover the tensor); torch refuses a non-chunk spec with NotImplementedError, which this test asserts",
-    "sharder-swaps-module": "README differences, Sharder in shard_module: shardwise replaces the submodule; torch sets "
-    "an attribute literally named mod_name on the parent and keeps the old module, which this test relies on "
-    "(its CustomShardedEBC has no forward)",
+#: that upstream tests assert torch's side of; SCOPE.md lists the tests. Each maps to the reason and to
+#: the failure (``Type: message`` of the cause, a regex) the test must end in on shardwise: such a test
+#: still runs against shardwise, so every check before the difference is exercised, and it is reported
+#: as an expected failure only when it fails exactly there.
+DIFFERENCES: dict[str, tuple[str, str]] = {
+    "seeded-rand": (
+        "README differences, seeded rand/randn/nn.init: shardwise gives the same whole tensor for a seed "
+        "on any world size and spec; torch draws each shard from the local generator, which this test asserts",
+        r"^AssertionError: Tensor-likes are not close!",
+    ),
+    "empty-chunk-offset": (
+        "README differences, empty trailing chunk offsets: shardwise starts an empty trailing chunk "
+        "where the tensor ends; torch at split * index (past the end), which this test asserts",
+        r"^AssertionError: Scalars are not equal!",
+    ),
+    "shard-any-spec": (
+        "README differences, EnumerableShardingSpec.shard / shard_tensor with an Enumerable spec: "
+        "shardwise shards with any spec (here: ValueError, the spec does not cover the tensor); torch raises "
+        "NotImplementedError 'not implemented yet!', which this test's last check asserts",
+        r"^ValueError: cannot shard a tensor of size \[12, 12\] with EnumerableShardingSpec",
+    ),
+    "reshard-any-spec": (
+        "README differences, reshard: shardwise reshards to any spec (here: ValueError, the spec "
+        "does not cover the tensor); torch refuses a non-chunk spec with NotImplementedError, which this test asserts",
+        r"^ValueError: cannot reshard a tensor of size \[24, 12\] with EnumerableShardingSpec",
+    ),
+    "sharder-swaps-module": (
+        "README differences, Sharder in shard_module: shardwise replaces the submodule; torch sets "
+        "an attribute literally named mod_name on the parent and keeps the old module, which this test relies on "
+        "(its CustomShardedEBC has no forward)",
+        r'^NotImplementedError: Module \[CustomShardedEBC\] is missing the required "forward" function',
+    ),
 }
 
 
 def differs_on_shardwise(key: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Mark a test that asserts something shardwise deliberately does differently (a key of :data:`DIFFERENCES`).
 
-    It is skipped with the reason against shardwise and runs against torch;
-    ``TORCH_SUITE_RUN_DIFFERENCES=1`` runs it against shardwise too (to see how far it gets).
+    Against shardwise it runs and must fail with the difference's expected
+    cause (reported as an expected failure); passing, or failing anywhere
+    else, fails. Against torch it runs as usual.
     """
-    reason = DIFFERENCES[key]
+    if key not in DIFFERENCES:
+        raise KeyError(f"unknown difference {key!r}: add it to DIFFERENCES (and README's differences table)")
 
     def mark(fn: Callable[..., Any]) -> Callable[..., Any]:
-        fn._differs_on_shardwise = reason  # type: ignore[attr-defined]
+        fn._differs_on_shardwise = key  # type: ignore[attr-defined]
         return fn
 
     return mark
@@ -278,9 +298,6 @@ def _skip_reason(case: Case, fn: Any, target: str) -> Optional[str]:
         return "single-process test (no collectives): runs in the gloo run only"
     if CTX.backend == "mpi" and getattr(fn, "_torch_pg_only", None):
         return f"needs torch's process group: {fn._torch_pg_only}"
-    run_anyway = os.environ.get("TORCH_SUITE_RUN_DIFFERENCES") == "1"
-    if target == "shardwise" and getattr(fn, "_differs_on_shardwise", None) and not run_anyway:
-        return f"deliberate difference: {fn._differs_on_shardwise}"
     return None
 
 

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
-from suite_harness import PORT_DIR, SUITE_DIR, TEST_GPU_NUM, Case, cases_of, load_port, rank_main
+from suite_harness import DIFFERENCES, PORT_DIR, SUITE_DIR, TEST_GPU_NUM, Case, cases_of, load_port, rank_main
 
 from shardwise.testing import RankError, run_ranks
 
@@ -126,8 +127,30 @@ def test_upstream(case: Case) -> None:
     outcome = _RESULTS[case.file][case.id]
     if outcome["status"] == "skip":
         pytest.skip(outcome["detail"])
+    difference = getattr(getattr(getattr(load_port(case.file), case.cls), case.method), "_differs_on_shardwise", None)
+    if TARGET == "shardwise" and difference is not None:
+        _check_difference(difference, outcome)
     if outcome["status"] == "fail":
         pytest.fail(outcome["detail"], pytrace=False)
+
+
+def _check_difference(key: str, outcome: dict[str, Any]) -> None:
+    """A test asserting torch's side of a deliberate difference must fail exactly at that difference."""
+    reason, expected = DIFFERENCES[key]
+    if outcome["status"] == "pass":
+        pytest.fail(
+            f"passes on shardwise although marked as the deliberate difference {key!r}: remove the marker "
+            f"(and check README's differences table)",
+            pytrace=False,
+        )
+    cause = outcome["detail"].splitlines()[0]
+    if not re.search(expected, cause):
+        pytest.fail(
+            f"expected to fail at the deliberate difference {key!r} ({expected}), failed elsewhere:\n"
+            + outcome["detail"],
+            pytrace=False,
+        )
+    pytest.xfail(f"deliberate difference {key!r}: {reason} (failed as expected: {cause[:200]})")
 
 
 def test_scope_md_lists_every_skip() -> None:
