@@ -21,7 +21,7 @@ STAMP := $(VENV)/.install-stamp
 LINT_PATHS := packages plugins integration_tests benchmarks examples
 MYPY_PATHS := packages/shardwise/src/shardwise $(wildcard plugins/*/src)
 
-.PHONY: install test lint demo bench bench-mpi bench-embedding clean distclean
+.PHONY: install test lint demo bench bench-mpi bench-embedding bench-validation clean distclean
 
 install: $(STAMP)
 
@@ -75,6 +75,11 @@ bench: install
 # benchmarks/results/mpi_collectives.md. Not part of `make test`.
 bench-mpi: install
 	$(BIN)/mpiexec -n 2 $(BIN)/python benchmarks/mpi_collectives.py
+
+# Shard-metadata validation (overlaps, covering), torch 2.13 vs shardwise, 10 to 10^5 shards
+# per layout, one process; writes benchmarks/results/validation.md. Not part of `make test`.
+bench-validation: install
+	$(BIN)/python benchmarks/validation.py
 
 # Sharded embedding / embedding_bag: torch 2.13's _shard (gloo) vs shardwise
 # over gloo and over MPI, 2 ranks; writes benchmarks/results/embedding.md.

@@ -9,9 +9,10 @@ times, on one process (no communication is involved):
 - torch: ``validate_non_overlapping_shards_metadata(shards)`` then
   ``check_tensor(shards, size)`` (what torch's constructors run);
 - shardwise: ``validate_layout(shards, size)`` (what shardwise's constructors
-  run: both checks over one set of columns);
+  run);
 - shardwise, two calls: ``validate_non_overlapping(shards)`` then
-  ``check_covering(shards, size)`` (the public functions one by one).
+  ``check_covering(shards, size)`` (the public functions one by one, what
+  ``EnumerableShardingSpec`` runs).
 
 Layouts, for n shards: ``rows`` (n x 1 shards of an n x 4 tensor, cut along
 dim 0), ``columns`` (4 x 1 shards of a 4 x n tensor, cut along dim 1: each
@@ -22,7 +23,10 @@ gathered from many ranks may be.
 
 Each cell is the median of interleaved calls (torch and shardwise alternate
 in a shuffled order each round, so machine noise hits both alike), repeated
-until each entry has run ``--budget`` seconds (at least 3 calls). The ratio is
+until each entry has run ``--budget`` seconds (at least 3 calls). As in
+``timeit``, the garbage collector is off while a cell is timed (a
+collection pass over 10^5 shards would land on whichever call happens to
+run); it collects before each cell. The ratio is
 torch's time over shardwise's: above 1, shardwise is faster. torch's checks
 cost O(n^1.5) on grids and more on 3-D grids; a torch cell whose single call
 would take longer than ``--torch-limit`` seconds (estimated from the previous
@@ -35,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import math
 import random
 import statistics
@@ -106,15 +111,20 @@ def _time(calls: dict[str, Callable[[], Any]], budget: float) -> dict[str, float
     times: dict[str, list[float]] = {name: [] for name in calls}
     spent = dict.fromkeys(calls, 0.0)
     rnd = random.Random(0)
-    while min(len(t) for t in times.values()) < 3 or min(spent.values()) < budget:
-        order = list(calls)
-        rnd.shuffle(order)
-        for name in order:
-            start = time.perf_counter()
-            calls[name]()
-            elapsed = time.perf_counter() - start
-            times[name].append(elapsed)
-            spent[name] += elapsed
+    gc.collect()
+    gc.disable()
+    try:
+        while min(len(t) for t in times.values()) < 3 or min(spent.values()) < budget:
+            order = list(calls)
+            rnd.shuffle(order)
+            for name in order:
+                start = time.perf_counter()
+                calls[name]()
+                elapsed = time.perf_counter() - start
+                times[name].append(elapsed)
+                spent[name] += elapsed
+    finally:
+        gc.enable()
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 

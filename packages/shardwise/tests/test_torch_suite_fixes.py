@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from typing import Any, Callable
 
 import pytest
@@ -9,8 +10,10 @@ import torch
 from torch import nn
 
 import shardwise
+from shardwise import _validation
 from shardwise._metadata import Placement
 from shardwise._modules import shard_parameter
+from shardwise._validation import check_covering, validate_layout, validate_non_overlapping
 from shardwise.errors import LocalShardsMismatchError
 from shardwise.sharded_tensor import (
     Shard,
@@ -123,6 +126,10 @@ def base_keeps_every_shard() -> dict[str, Any]:
         "local": [s.tensor[0, 0].item() for s in st.local_shards()],
         "types": [type(st).__name__, isinstance(st, ShardedTensorBase), issubclass(ShardedTensor, ShardedTensorBase)],
         "group": st._process_group is None,
+        # Constructing the base still builds a ShardedTensor, as when ShardedTensorBase was an alias of it.
+        "constructed": type(
+            ShardedTensorBase(ChunkShardingSpec(0, [f"rank:{r}/cpu" for r in range(w)]), 4, 3)
+        ).__name__,
         # ShardedTensor's own form still checks the shards against this rank's placements.
         "st_form": _attempt(lambda: ShardedTensor._init_from_local_shards_and_global_metadata(shards, metadata)),
     }
@@ -132,6 +139,7 @@ def test_sharded_tensor_base_form_does_no_cross_rank_checks() -> None:
     for seen in _run(base_keeps_every_shard, 2):
         assert seen["local"] == [0.0, 1.0], seen
         assert seen["types"] == ["ShardedTensor", True, True] and seen["group"], seen
+        assert seen["constructed"] == "ShardedTensor", seen
         assert seen["st_form"][0] == LocalShardsMismatchError.__name__, seen
 
 
@@ -154,3 +162,53 @@ def test_shard_parameter_plain_attribute_checks_as_torch() -> None:
     for seen in _run(plain_attribute, 2):
         assert seen["noncontig"][0] == "ValueError" and "bias is not a contiguous Tensor" in seen["noncontig"][1], seen
         assert seen["plain"][0] == "KeyError" and "attribute 'bias' already exists" in seen["plain"][1], seen
+
+
+# -- metadata validation: the public checks take the direct path --------------
+
+
+def _boxes(layout: str, n: int) -> tuple[list[ShardMetadata], list[int]]:
+    if layout == "rows":
+        return [ShardMetadata([i, 0], [1, 4], "rank:0/cpu") for i in range(n)], [n, 4]
+    if layout == "chunk":
+        spec = ChunkShardingSpec(1, [f"rank:{i}/cpu" for i in range(n)])
+        return list(spec.build_metadata([4, 3 * n - 1]).shards_metadata), [4, 3 * n - 1]
+    k = round(n ** (1 / 3))
+    cells = [ShardMetadata([i, j, m], [1, 1, 1], "rank:0/cpu") for i in range(k) for j in range(k) for m in range(k)]
+    return cells, [k, k, k]
+
+
+@pytest.mark.parametrize("layout", ["rows", "chunk", "grid3d"])
+@pytest.mark.parametrize("n", [8, 64, 1000])
+def test_public_checks_build_no_columns(monkeypatch: pytest.MonkeyPatch, layout: str, n: int) -> None:
+    # Building per-dim columns first cost more than torch 2.13's whole check below a few hundred shards.
+    def refuse(*_: Any) -> None:
+        raise AssertionError("columns built")
+
+    monkeypatch.setattr(_validation, "_Columns", refuse)
+    shards, size = _boxes(layout, n)
+    random.Random(n).shuffle(shards)
+    validate_non_overlapping(shards)
+    check_covering(shards, size)
+    validate_layout(shards, size)
+    EnumerableShardingSpec(shards).build_metadata(size)
+
+
+def test_direct_path_errors() -> None:
+    rows = [ShardMetadata([i, 0], [2, 4], "rank:0/cpu") for i in range(0, 8, 2)]
+    with pytest.raises(ValueError, match=r"Shards overlap: shards 1 \(offsets=\[2, 0\].*and 4 \(offsets=\[3, 0\]"):
+        validate_non_overlapping([*rows, ShardMetadata([3, 0], [1, 4], "rank:0/cpu")])
+    # Empty shards hold nothing: inside another shard they overlap nothing, anywhere.
+    validate_non_overlapping([*rows, ShardMetadata([3, 0], [0, 4], "rank:0/cpu"), ShardMetadata([1, 1], [2, 0])])
+    chunks = [ShardMetadata([0, 0], [3, 4]), ShardMetadata([3, 0], [3, 4]), ShardMetadata([5, 0], [2, 4])]
+    with pytest.raises(ValueError, match=r"shards 1 .* and 2 .* overlap"):
+        validate_non_overlapping(chunks)
+    with pytest.raises(ValueError, match="Found inconsistent ranks for shards"):
+        validate_non_overlapping([*rows, ShardMetadata([8], [2])])
+    with pytest.raises(ValueError, match="exceeds tensor dim: 7"):
+        check_covering(rows, [7, 4])
+    with pytest.raises(ValueError, match="Rank of tensor is 3, but shards rank is 2"):
+        check_covering(rows, [8, 4, 1])
+    with pytest.raises(ValueError, match="does not match tensor volume: 36"):
+        check_covering(rows, [9, 4])
+    check_covering([*rows, ShardMetadata([9, 9], [0, 4])], [8, 4])  # an empty shard may sit outside

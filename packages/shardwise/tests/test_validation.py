@@ -102,7 +102,12 @@ def test_overlap_matches_brute_force(few: int, case: tuple[list[ShardMetadata], 
     shards, _ = case
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(_validation, "_FEW", few)
-        pair = find_overlap(shards)
+        direct = find_overlap(shards)
+        pair = find_overlap(shards, _validation._Columns(shards))  # the column path
+    assert (direct is None) == (pair is None)
+    if direct is not None:
+        i, j = direct
+        assert i < j and _cells(shards[i]) & _cells(shards[j])
     assert (pair is not None) == _brute_overlap(shards)
     if pair is not None:
         i, j = pair
@@ -119,6 +124,9 @@ def test_layout_matches_brute_force(few: int, case: tuple[list[ShardMetadata], l
         mp.setattr(_validation, "_FEW", few)
         combined = _outcome(lambda: validate_layout(shards, size))
         separate = _outcome(lambda: (validate_non_overlapping(shards), check_covering(shards, size)))
+        cols = _validation._Columns(shards)
+        by_columns = _outcome(lambda: (validate_non_overlapping(shards, cols), check_covering(shards, size, cols)))
+    assert (by_columns is None) == expected, (by_columns, shards, size)
     assert (combined is None) == expected, (combined, shards, size)
     assert combined == separate
 

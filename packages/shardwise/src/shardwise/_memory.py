@@ -37,7 +37,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 __all__ = ["HUGE_PAGE_MIN_BYTES", "cache_limit", "cached_bytes", "empty", "empty_like", "huge_pages_enabled",
-           "live_bytes", "peak_live_bytes", "reset_peak", "zeros"]
+           "live_bytes", "peak_live_bytes", "peak_new_bytes", "reset_peak", "zeros"]
 
 #: Smallest buffer worth a mapping of its own: below it glibc's heap reuses freed memory anyway.
 HUGE_PAGE_MIN_BYTES = 4 << 20
@@ -60,6 +60,14 @@ _free: dict[int, list[mmap.mmap]] = {}  # size -> idle mappings of that size
 _cached = 0  # bytes in _free
 _live = 0  # bytes of mappings some tensor still uses
 _peak = 0  # highest _live since reset_peak()
+# A collective backend may drop its last reference to a buffer on its own thread some time
+# after the call returned (gloo's worker releases its work object late), so buffers from
+# before reset_peak() can be freed inside the window and lower _live under its starting
+# value. _window_live counts only the mappings taken since reset_peak() (tagged by _window),
+# so its peak is what the code in the window added, whatever earlier buffers do meanwhile.
+_window = 0  # incremented by reset_peak(); each mapping remembers the window it was taken in
+_window_live = 0  # bytes of mappings taken in the current window and still in use
+_window_peak = 0  # highest _window_live since reset_peak()
 
 
 def cache_limit() -> int:
@@ -84,19 +92,40 @@ def live_bytes() -> int:
 
 
 def peak_live_bytes() -> int:
-    """The highest :func:`live_bytes` since :func:`reset_peak` (how much a piece of code allocated here at once)."""
+    """The highest :func:`live_bytes` since :func:`reset_peak`, buffers from before it included.
+
+    Subtracting the live bytes at :func:`reset_peak` does not give what the
+    code since then added: earlier buffers freed meanwhile (possibly late, by
+    a backend's thread) lower it. Use :func:`peak_new_bytes` for that.
+    """
     return _peak
 
 
+def peak_new_bytes() -> int:
+    """The most bytes of buffers taken since :func:`reset_peak` that were in use at once.
+
+    What a piece of code allocated here at once: buffers taken before the
+    window neither count nor, when freed during it, offset the new ones.
+    """
+    return _window_peak
+
+
 def reset_peak() -> None:
-    """Start a new :func:`peak_live_bytes` window from the current live bytes."""
-    global _peak
-    _peak = _live
+    """Start a new window for :func:`peak_live_bytes` (from the current live bytes) and :func:`peak_new_bytes` (from 0)."""
+    global _peak, _window, _window_live, _window_peak
+    with _lock:
+        _peak = _live
+        _window += 1
+        _window_live = 0
+        _window_peak = 0
 
 
-def _take(size: int) -> tuple[mmap.mmap, bool]:
-    """A mapping of ``size`` bytes and whether it is fresh (zero-filled); a cached one when there is one."""
-    global _cached, _live, _peak
+def _take(size: int) -> tuple[mmap.mmap, bool, int]:
+    """A mapping of ``size`` bytes, whether it is fresh (zero-filled), and the window it is counted in.
+
+    A cached mapping when there is one.
+    """
+    global _cached, _live, _peak, _window_live, _window_peak
     cache_limit()  # a bad setting raises here, in the caller, not later in a finalizer
     with _lock:
         idle = _free.get(size)
@@ -105,22 +134,31 @@ def _take(size: int) -> tuple[mmap.mmap, bool]:
             _cached -= size
         _live += size
         _peak = max(_peak, _live)
+        _window_live += size
+        _window_peak = max(_window_peak, _window_live)
+        window = _window
     if region is not None:
-        return region, False
+        return region, False, window
     region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     region.madvise(mmap.MADV_HUGEPAGE)
-    return region, True
+    return region, True, window
 
 
-def _give_back(region: mmap.mmap, size: int) -> None:
-    """Called when the last tensor on ``region`` is freed: keep it for reuse, or let it be unmapped."""
-    global _cached, _live
+def _give_back(region: mmap.mmap, size: int, window: int) -> None:
+    """Called when the last tensor on ``region`` (taken in ``window``) is freed: keep it for reuse, or unmap it.
+
+    Runs on whichever thread drops the last reference (a backend's worker
+    thread, too), hence the lock.
+    """
+    global _cached, _live, _window_live
     try:
         limit = cache_limit()
     except ValueError:
         limit = 0
     with _lock:
         _live -= size
+        if window == _window:
+            _window_live -= size
         if _cached + size <= limit:
             _free.setdefault(size, []).append(region)
             _cached += size
@@ -132,11 +170,11 @@ def _mapped(shape: Shape, dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
     """A tensor on a (possibly reused) mapping, and whether its memory is known to be zero."""
     nbytes = _nbytes(shape, dtype)
     size = -(-nbytes // _GRAIN) * _GRAIN
-    region, fresh = _take(size)
+    region, fresh, window = _take(size)
     # The tensor keeps ``holder`` (an export of the mapping) alive; when the last view
     # of it is freed, the finalizer hands the mapping back.
     holder = (ctypes.c_char * size).from_buffer(region)
-    weakref.finalize(holder, _give_back, region, size).atexit = False
+    weakref.finalize(holder, _give_back, region, size, window).atexit = False
     flat = torch.frombuffer(holder, dtype=torch.uint8)[:nbytes]
     return flat.view(dtype).view(tuple(shape)), fresh
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
+from itertools import chain
 from operator import add, gt, itemgetter, le, mul, sub
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
@@ -43,10 +44,6 @@ _LISTED = 8
 
 #: Up to this many shards, a layout cut along several dims is checked by the plain sweep.
 _FEW = 16
-
-#: Up to this many shards, the public checks run their small-count paths: no shared columns to build,
-#: so their fixed cost stays below torch 2.13's (what ``benchmarks/validation.py`` measures).
-_SMALL = 512
 
 #: The cell check runs while the cells claimed stay within this many per shard (plus a constant).
 _CELLS_PER_SHARD = 8
@@ -201,9 +198,9 @@ def find_overlap(shards: Sequence[ShardMetadata], columns: Optional[_Columns] = 
     """
     if not shards:
         return None
-    if columns is None and len(shards) <= _SMALL:
-        return _find_overlap_small(shards)
-    cols = columns if columns is not None else _Columns(shards)
+    if columns is None:
+        return _find_overlap_direct(shards)
+    cols = columns
     if not cols.uniform:
         _check_dims(shards)
     ndim = cols.ndim
@@ -249,8 +246,18 @@ def find_overlap(shards: Sequence[ShardMetadata], columns: Optional[_Columns] = 
     return i, j
 
 
-def _find_overlap_small(shards: Sequence[ShardMetadata]) -> Optional[tuple[int, int]]:
-    """:func:`find_overlap` for up to ``_SMALL`` shards: few passes, each in C where it can be."""
+def _find_overlap_direct(shards: Sequence[ShardMetadata]) -> Optional[tuple[int, int]]:
+    """:func:`find_overlap` without prebuilt columns: few passes over the shards, each in C where it can be.
+
+    Its fixed cost is below torch 2.13's for a handful of shards, and it
+    stays O(n log n) (``benchmarks/validation.py`` measures both).
+
+    Among non-empty shards, a dim along which every shard starts at the same
+    offset cannot separate two of them (both contain that offset), whatever
+    their sizes there; so only the dims with differing starts are examined.
+    Shards cut along one dim are first accepted by a test that empty shards
+    cannot fool: no two starts closer than the longest shard.
+    """
     n = len(shards)
     if n < 2:
         return None
@@ -262,51 +269,58 @@ def _find_overlap_small(shards: Sequence[ShardMetadata]) -> Optional[tuple[int, 
     except ValueError:
         _check_dims(shards)
         raise
-    first_sizes = lengths[0]
-    if lengths.count(first_sizes) == n:
-        # Every shard has the same size (row, column and grid layouts): only starts can differ.
-        if 0 in first_sizes:
-            return None  # every shard is empty
-        sharded = [d for d, starts in enumerate(starts_by_dim) if starts.count(starts[0]) != n]
-        if len(sharded) == 1:
-            # Equal intervals overlap exactly when two sorted starts are closer than their length.
-            starts = sorted(starts_by_dim[sharded[0]])
-            if min(map(sub, starts[1:], starts)) >= first_sizes[sharded[0]]:
-                return None
-            return _one_dim(starts_by_dim[sharded[0]], [first_sizes[sharded[0]]] * n)
-        sizes_by_dim: Sequence[Sequence[int]] = [(size,) * n for size in first_sizes]
-    else:
-        sizes_by_dim = list(zip(*lengths, strict=True))
-        sharded = [
-            d
-            for d, starts in enumerate(starts_by_dim)
-            if starts.count(starts[0]) != n or sizes_by_dim[d].count(sizes_by_dim[d][0]) != n
-        ]
-        if len(sharded) == 1 and not any(0 in column for column in sizes_by_dim):
-            # Sorted by start, an overlap shows between neighbours.
-            d = sharded[0]
-            prev_end = -1
-            for start, length in sorted(zip(starts_by_dim[d], sizes_by_dim[d], strict=True)):
-                if start < prev_end:
-                    return _one_dim(starts_by_dim[d], sizes_by_dim[d])  # which two: rare, so found again
-                prev_end = start + length
-            return None
-    idx: Sequence[int] = range(n)
-    if any(0 in column for column in sizes_by_dim):
-        idx = [i for i, s in enumerate(shards) if 0 not in s.shard_sizes]
-    if len(idx) < 2:
-        return None
-    if not sharded:
-        return idx[0], idx[1]
+    sharded = [d for d, starts in enumerate(starts_by_dim) if starts.count(starts[0]) != n]
     if len(sharded) == 1:
         d = sharded[0]
-        pair = _one_dim([starts_by_dim[d][i] for i in idx], [sizes_by_dim[d][i] for i in idx])
-        return None if pair is None else tuple(sorted((idx[pair[0]], idx[pair[1]])))  # type: ignore[return-value]
-    a = max(sharded, key=lambda d: len(set(starts_by_dim[d])))
-    pair = _sweep(shards, idx, sharded, a)
-    if pair is None:
-        return None
-    return (pair[0], pair[1]) if pair[0] < pair[1] else (pair[1], pair[0])
+        longest = lengths[0][d] if lengths.count(lengths[0]) == n else max(map(itemgetter(d), lengths))
+        starts = sorted(starts_by_dim[d])
+        if min(map(sub, starts[1:], starts)) >= longest:
+            return None
+    return _find_overlap_exact(shards, lengths, starts_by_dim, sharded)
+
+
+def _find_overlap_exact(
+    shards: Sequence[ShardMetadata],
+    lengths: Sequence[Sequence[int]],
+    starts_by_dim: Sequence[Sequence[int]],
+    sharded: list[int],
+) -> Optional[tuple[int, int]]:
+    """The rest of :func:`_find_overlap_direct`, given the sizes, the starts by dim and the dims where starts differ."""
+    n = len(shards)
+    if 0 in chain.from_iterable(lengths):
+        # Empty shards hold nothing, so they overlap nothing: check the others.
+        idx = [i for i, size in enumerate(lengths) if 0 not in size]
+        pair = _find_overlap_direct([shards[i] for i in idx])
+        return None if pair is None else (idx[pair[0]], idx[pair[1]])
+    if not sharded:
+        return 0, 1
+    if len(sharded) > 1:
+        # As find_overlap; a dim where starts agree cannot separate non-empty shards, so it is left out.
+        a = max(sharded, key=lambda d: len(set(starts_by_dim[d])))
+        if n <= _FEW:
+            return _ordered(_sweep(shards, range(n), sharded, a))
+        if len(sharded) == 2:
+            return _ordered(_two_dims(shards, range(n), a, sharded[0] if a == sharded[1] else sharded[1]))
+        try:
+            return _ordered(_cells(shards, range(n), sharded))
+        except OverflowError:
+            return _ordered(_sweep(shards, range(n), sharded, a))
+    d = sharded[0]
+    sizes = list(map(itemgetter(d), lengths))
+    # Sorted by start, an overlap shows between neighbours.
+    prev_end = -1
+    for start, length in sorted(zip(starts_by_dim[d], sizes, strict=True)):
+        if start < prev_end:
+            return _ordered(_one_dim(starts_by_dim[d], sizes))  # which two: rare, so found again
+        prev_end = start + length
+    return None
+
+
+def _ordered(pair: Optional[tuple[int, int]]) -> Optional[tuple[int, int]]:
+    """``pair`` with the lower index first."""
+    if pair is None or pair[0] < pair[1]:
+        return pair
+    return pair[1], pair[0]
 
 
 def validate_non_overlapping(shards: Sequence[ShardMetadata], columns: Optional[_Columns] = None) -> None:
@@ -320,8 +334,8 @@ def validate_non_overlapping(shards: Sequence[ShardMetadata], columns: Optional[
         ValueError: naming an overlapping pair and their boxes, or two
             shards with different numbers of dimensions.
     """
-    if columns is None and len(shards) <= _SMALL:
-        pair = _find_overlap_small(shards)
+    if columns is None:
+        pair = _find_overlap_direct(shards)
     else:
         pair = find_overlap(shards, columns)
     if pair is not None:
@@ -439,60 +453,16 @@ def _covered(shards: Sequence[ShardMetadata], size: list[int]) -> int:
 
 
 def validate_layout(shards: Sequence[ShardMetadata], tensor_size: Sequence[int]) -> None:
-    """:func:`validate_non_overlapping` then :func:`check_covering`, sharing their columns.
+    """:func:`validate_non_overlapping` then :func:`check_covering`: what shardwise's constructors run.
 
-    What shardwise's constructors run. Shards cut along one dimension that
-    tile it end to end (chunk specs, rows, columns) are recognised in a few
-    passes over the shards, each in C.
+    Both take their direct paths (no shared columns): measured faster than
+    building columns once at every shard count in ``benchmarks/validation.py``.
 
     Raises:
         ValueError: as those two.
     """
-    size = list(tensor_size)
-    if len(shards) <= _SMALL:
-        # The public checks' small-count paths cost less than recognising a tiling first.
-        validate_non_overlapping(shards)
-        check_covering(shards, size)
-        return
-    if _tiles_along_one_dim(shards, size):
-        return
-    columns = _Columns(shards)
-    validate_non_overlapping(shards, columns)
-    check_covering(shards, tensor_size, columns)
-
-
-def _tiles_along_one_dim(shards: Sequence[ShardMetadata], size: list[int]) -> bool:
-    """True when the shards span every dim but one whole and tile that one end to end.
-
-    Such shards neither overlap nor leave a gap nor stick out. False means
-    "not recognised" (another layout, or an invalid one): the general checks
-    then decide, and name what is wrong.
-    """
-    n, ndim = len(shards), len(size)
-    offsets = [s.shard_offsets for s in shards]
-    if len(set(map(len, offsets))) != 1 or len(offsets[0]) != ndim:
-        return False
-    lengths = [s.shard_sizes for s in shards]
-    cut: Optional[tuple[int, list[int], list[int]]] = None
-    for d in range(ndim):
-        starts = list(map(itemgetter(d), offsets))
-        sizes = list(map(itemgetter(d), lengths))
-        if starts.count(starts[0]) == n and sizes.count(sizes[0]) == n:
-            if starts[0] != 0 or sizes[0] != size[d]:
-                return False
-        elif cut is not None or 0 in sizes:
-            return False
-        else:
-            cut = d, starts, sizes
-    if cut is None:
-        return n == 1
-    d, starts, sizes = cut
-    ends = list(map(add, starts, sizes))
-    if not all(map(le, starts, starts[1:])):
-        order = sorted(range(n), key=starts.__getitem__)
-        starts = list(map(starts.__getitem__, order))
-        ends = list(map(ends.__getitem__, order))
-    return starts[0] == 0 and ends[-1] == size[d] and ends[:-1] == starts[1:]
+    validate_non_overlapping(shards)
+    check_covering(shards, tensor_size)
 
 
 def _raise_outside(shards: Sequence[ShardMetadata], size: list[Any]) -> None:

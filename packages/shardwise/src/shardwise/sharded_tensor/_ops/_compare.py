@@ -17,6 +17,14 @@ and a rank whose arguments fail raises its error while the others raise
 matter, as for plain tensors. The other operand may also be a plain tensor
 holding the whole tensor, the same on every rank: each rank compares its
 shards with the matching slices.
+
+On a rank outside the tensors' group (built with ``process_group=`` torch's
+``GroupMember.NON_GROUP_MEMBER``) there is no collective to join: as in
+torch 2.13, each op returns that rank's local answer from the shards it
+holds, which are none. ``equal``/``allclose`` are True there unless the
+rank can tell from the metadata alone that the tensors differ (layout or
+dtype: False, the answer the members give; torch says True), ``any`` is
+False and ``all`` True.
 """
 
 from __future__ import annotations
@@ -120,6 +128,9 @@ def _comparison(func: Any) -> Callable[..., Any]:
     def impl(types: Any, args: Any, kwargs: Any, process_group: Any) -> bool:
         group = _group_of(args, kwargs)
         _check_one_group(name, args, kwargs)
+        if not group.is_member:
+            # No peer waits for this rank, and it holds no shard: its answer is its own.
+            return local(args, kwargs)
         error: Exception | None = None
         try:
             code = int(local(args, kwargs))  # 1: equal here, 0: not
@@ -149,10 +160,10 @@ def _reduction(kind: str) -> Callable[..., Any]:
                 "reductions along a dim are not supported"
             )
         tensors = [shard.tensor for shard in st.local_shards()]
-        if kind == "any":
-            flag = _agree(st._process_group, any(bool(t.any()) for t in tensors), "max")
-        else:
-            flag = _agree(st._process_group, all(bool(t.all()) for t in tensors), "min")
+        here = any(bool(t.any()) for t in tensors) if kind == "any" else all(bool(t.all()) for t in tensors)
+        # Outside the group there is no collective to join: the answer is this rank's own (over no shards).
+        group = st._process_group
+        flag = _agree(group, here, "max" if kind == "any" else "min") if group.is_member else here
         return torch.tensor(flag, device=st.device)
 
     return impl
