@@ -82,19 +82,21 @@ def peak_memory(fn: Callable[[], Any]) -> tuple[int, int]:
     The added memory is the larger of two counts: the peak resident set
     minus the resident set before (Linux only: writing 5 to
     ``/proc/self/clear_refs`` resets the peak, ``VmHWM``), and the most bytes
-    of shardwise's large buffers (``shardwise._memory``) in use at once
-    minus those in use before. The second counts buffers that reuse memory
-    already resident (its cache of freed buffers), which the first misses.
+    of shardwise's large buffers (``shardwise._memory``) taken while ``fn``
+    runs and in use at once (buffers from before that are freed meanwhile,
+    for instance late by gloo's worker thread, do not offset them). The
+    second counts buffers that reuse memory already resident (its cache of
+    freed buffers), which the first misses.
     """
     from shardwise import _memory
 
     gc.collect()
-    before, live = _status_bytes("VmRSS"), _memory.live_bytes()
+    before = _status_bytes("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")
     _memory.reset_peak()
     fn()
     peak = _status_bytes("VmHWM")
-    return peak, max(peak - before, _memory.peak_live_bytes() - live)
+    return peak, max(peak - before, _memory.peak_new_bytes())
 
 
 def script_args(doc: str, argv: list[str] | None = None) -> argparse.Namespace:

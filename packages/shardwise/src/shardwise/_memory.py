@@ -111,7 +111,7 @@ def peak_new_bytes() -> int:
 
 
 def reset_peak() -> None:
-    """Start a new window for :func:`peak_live_bytes` (from the current live bytes) and :func:`peak_new_bytes` (from 0)."""
+    """Start a new window: :func:`peak_live_bytes` from the current live bytes, :func:`peak_new_bytes` from 0."""
     global _peak, _window, _window_live, _window_peak
     with _lock:
         _peak = _live

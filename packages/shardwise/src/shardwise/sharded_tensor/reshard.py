@@ -99,7 +99,11 @@ def build_reshard_metadata(
         their placement, and the placements' ranks in placement order.
 
     Raises:
-        IndexError: a placement names a rank outside ``0..world_size - 1``.
+        IndexError: a placement names a rank outside ``0..world_size - 1``
+            (as in torch: the shards are indexed by their placements' global
+            ranks, so this fits the whole world or a subgroup of ranks
+            ``0..world_size - 1``; :func:`reshuffle_local_shard` and
+            :func:`reshard_local_shard` index by group rank instead).
     """
     shards: list[Optional[ShardMetadata]] = [None] * world_size
     ranks = []
@@ -119,9 +123,16 @@ def _by_group_rank(st_size: Sequence[int], spec: Any, group: Any, what: str) -> 
     """Like :func:`build_reshard_metadata` over ``group``: shards by group rank, group ranks in placement order.
 
     Raises:
-        ValueError: the spec does not place exactly one chunk on each rank
-            of the group (these helpers move one chunk per rank).
+        ValueError: this rank is outside ``group``, or the spec does not
+            place exactly one chunk on each rank of the group (these helpers
+            move one chunk per rank).
     """
+    if not group.is_member:
+        # torch fails here with an IndexError from its own indexing; say what is wrong instead.
+        raise ValueError(
+            f"{what}: this rank is not a member of the process group (torch's GroupMember.NON_GROUP_MEMBER) "
+            "and holds no chunk; only the group's members call it"
+        )
     order = [group.group_rank(Placement(p).rank()) for p in spec.placements]
     if sorted(order) != list(range(group.size)):
         raise ValueError(
@@ -160,7 +171,8 @@ def reshuffle_local_shard(
         shard, and every rank's shard metadata indexed by group rank.
 
     Raises:
-        ValueError: a spec does not place one chunk on each rank of the group.
+        ValueError: this rank is outside the group, or a spec does not place
+            one chunk on each rank of the group.
         CollectiveMismatchError: ranks passed chunks that do not fit together
             (on every rank).
     """
@@ -209,7 +221,8 @@ def reshard_local_shard(
         shard, and every rank's shard metadata indexed by group rank.
 
     Raises:
-        ValueError: a spec does not place one chunk on each rank of the group.
+        ValueError: this rank is outside the group, or a spec does not place
+            one chunk on each rank of the group.
         CollectiveMismatchError: ranks passed chunks that do not fit together
             (on every rank).
     """
