@@ -78,7 +78,7 @@ def build_target(spec: ShardingSpec, md: ShardedTensorMetadata, group: Group, ve
         ValueError: the spec cannot shard a tensor of that size, or places a
             shard outside the group (the message names the spec and size).
     """
-    from shardwise.sharded_tensor._api import validate_placements
+    from shardwise.sharded_tensor._placements import validate_placements
 
     size = list(md.size)
     try:

@@ -8,102 +8,23 @@ import torch
 from torch.utils import _pytree as pytree
 
 from shardwise._metadata import (
-    PlacementError,
-    ShardMetadata,
     ShardedTensorMetadata,
     TensorProperties,
 )
 from shardwise._validation import validate_layout
 from shardwise.sharded_tensor._local_shards import match_local_shards, no_default_group, shards_without_group
+from shardwise.sharded_tensor._placements import (
+    check_no_rrefs,
+    flatten_size,
+    is_local,
+    local_device,
+    validate_placements,
+)
 from shardwise.sharded_tensor._shard import Shard
 from shardwise.sharding_spec import ShardingSpec
 from shardwise.sharding_spec._api import infer_sharding_spec
 
 __all__ = ["ShardedTensor", "ShardedTensorBase", "flatten_size", "validate_placements"]
-
-
-def flatten_size(size: Sequence[Any]) -> torch.Size:
-    """``(2, 3)``, ``((2, 3),)`` or ``(torch.Size([2, 3]),)`` -> ``torch.Size([2, 3])``."""
-    if len(size) == 1 and isinstance(size[0], (list, tuple, torch.Size)):
-        size = tuple(size[0])
-    out = []
-    for s in size:
-        if isinstance(s, bool) or not isinstance(s, int):
-            raise TypeError(f"size must be a sequence of ints, got {tuple(size)!r}")
-        if s < 0:
-            raise ValueError(f"size must not be negative, got {tuple(size)!r}")
-        out.append(int(s))
-    return torch.Size(out)
-
-
-def validate_placements(shards: Sequence[ShardMetadata], group: Any, *, need_rank: bool = False) -> None:
-    """Raise unless every shard's placement names a member of ``group`` (or no rank at all).
-
-    Placement ranks are global ranks (ranks of the default group), as in
-    torch; each must belong to the group. As in torch, a placement without
-    a rank (``"cpu"``) is accepted, and means a shard no rank holds; on a
-    rank outside the group (``group.is_member`` False) the members are
-    unknown, so only the form is checked there.
-
-    Args:
-        shards: The shards.
-        group: The tensor's :class:`~shardwise.Group`, or a group size (the
-            world's first ranks).
-        need_rank: Refuse placements without a rank (data must move to them).
-
-    Raises:
-        ValueError: a shard has no placement, names a rank outside the
-            group (naming the shard; the message carries torch's wording),
-            or, with ``need_rank``, names no rank.
-        PlacementError: a placement names an RPC worker (shardwise has no RPC).
-    """
-    size = group if isinstance(group, int) else group.size
-    member = isinstance(group, int) or group.is_member
-    to_group = None if isinstance(group, int) else group.global_to_group()
-    for i, shard in enumerate(shards):
-        placement = shard.placement
-        if placement is None:
-            raise ValueError(f"shard {i} ({shard.describe()}) has no placement; give it 'rank:R/DEVICE'")
-        if placement.worker_name() is not None:
-            raise PlacementError(
-                f"shard {i} ({shard.describe()}) names the RPC worker {placement.worker_name()!r}; shardwise does "
-                "not support torch RPC, name a global rank instead ('rank:R/DEVICE'): RPC framework needs to be "
-                f"initialized for using worker names: {placement.worker_name()}"
-            )
-        rank = placement.rank()
-        if rank is None:
-            if need_rank:
-                raise ValueError(
-                    f"shard {i} ({shard.describe()}) is placed on {placement}, which names no rank, so no rank "
-                    "could hold its data; place it on 'rank:R/DEVICE'"
-                )
-            continue
-        if not member or (rank in to_group if to_group is not None else rank < size):
-            continue
-        members = list(group.ranks) if not isinstance(group, int) else list(range(size))
-        where = f"0..{size - 1}" if to_group is None else f"global ranks {members}; placements name global ranks"
-        raise ValueError(
-            f"shard {i} ({shard.describe()}) is placed on rank {rank}, but the group has {size} rank(s) ({where}): "
-            f"Global rank {rank} does not exist in input process group: {members}"
-        )
-
-
-def _is_local(shard: ShardMetadata, group: Any) -> bool:
-    """Whether this rank holds ``shard``: its placement names this rank's global rank."""
-    return (
-        group is not None
-        and group.is_member
-        and shard.placement is not None
-        and shard.placement.rank() == group.global_rank
-    )
-
-
-def _local_device(shards: Sequence[ShardMetadata], group: Any) -> torch.device:
-    for shard in shards:
-        if _is_local(shard, group):
-            assert shard.placement is not None
-            return shard.placement.device()
-    return torch.device("cpu")
 
 
 class ShardedTensorBase(torch.Tensor):
@@ -231,7 +152,7 @@ class ShardedTensor(ShardedTensorBase):
                 f"only torch.contiguous_format is supported, got {memory_format} (Only torch.contiguous_format "
                 "memory_format is currently supported)"
             )
-        _check_no_rrefs(init_rrefs)
+        check_no_rrefs(init_rrefs)
         group = resolve_group(process_group)
         props = TensorProperties(
             dtype=dtype if dtype is not None else torch.get_default_dtype(),
@@ -245,7 +166,7 @@ class ShardedTensor(ShardedTensorBase):
         local = []
         for shard_md in metadata.shards_metadata:
             assert shard_md.placement is not None
-            if _is_local(shard_md, group):
+            if is_local(shard_md, group):
                 tensor = torch.empty(
                     shard_md.shard_sizes,
                     dtype=props.dtype,
@@ -273,7 +194,7 @@ class ShardedTensor(ShardedTensorBase):
         if local_shards:
             device = local_shards[0].tensor.device
         else:
-            device = _local_device(metadata.shards_metadata, group)
+            device = local_device(metadata.shards_metadata, group)
         r = torch.Tensor._make_wrapper_subclass(
             cls,
             metadata.size,
@@ -319,7 +240,7 @@ class ShardedTensor(ShardedTensorBase):
         """
         from shardwise._runtime import resolve_group
 
-        _check_no_rrefs(init_rrefs)
+        check_no_rrefs(init_rrefs)
         if process_group is None and no_default_group():
             # No group anywhere: torch's ShardedTensorBase form, every shard passed is held here.
             return super()._init_from_local_shards_and_global_metadata(
@@ -337,7 +258,7 @@ class ShardedTensor(ShardedTensorBase):
         group = resolve_group(process_group)
         validate_placements(shards_md, group)
         validate_layout(shards_md, list(sharded_tensor_metadata.size))
-        mine = [md for md in shards_md if _is_local(md, group)]
+        mine = [md for md in shards_md if is_local(md, group)]
         local = match_local_shards(local_shards, mine, props, group.global_rank)
         spec = sharding_spec
         if spec is None:
@@ -377,7 +298,7 @@ class ShardedTensor(ShardedTensorBase):
         """
         from shardwise._runtime import resolve_group
 
-        _check_no_rrefs(init_rrefs)
+        check_no_rrefs(init_rrefs)
         group = resolve_group(process_group)
         if not isinstance(local_tensor, torch.Tensor):
             raise TypeError(f"local_tensor must be a torch.Tensor, got {type(local_tensor).__name__}")
@@ -388,7 +309,7 @@ class ShardedTensor(ShardedTensorBase):
         props = TensorProperties.create_from_tensor(local_tensor)
         metadata = sharding_spec.build_metadata(flatten_size(global_size), props)
         validate_placements(metadata.shards_metadata, group)
-        mine = [md for md in metadata.shards_metadata if _is_local(md, group)]
+        mine = [md for md in metadata.shards_metadata if is_local(md, group)]
         if len(mine) > 1:
             raise ValueError(
                 f"the spec places {len(mine)} shards on rank {group.global_rank}; _init_from_local_tensor takes one "
@@ -597,14 +518,6 @@ class ShardedTensor(ShardedTensorBase):
         from shardwise._load_context import restore_sharded_tensor
 
         restore_sharded_tensor(self, state)
-
-
-def _check_no_rrefs(init_rrefs: bool) -> None:
-    if init_rrefs:
-        raise NotImplementedError(
-            "init_rrefs=True (torch RPC remote shards) is not supported by shardwise, which has no RPC; pass "
-            "init_rrefs=False (torch: RPC Framework needs to be initialized for init_rrefs=True)"
-        )
 
 
 TensorLike = Union[torch.Tensor, ShardedTensor]

@@ -12,7 +12,8 @@ from shardwise._metadata import (
     TensorProperties,
 )
 from shardwise._validation import validate_layout
-from shardwise.sharded_tensor._api import ShardedTensor, _check_no_rrefs, flatten_size, validate_placements
+from shardwise.sharded_tensor._api import ShardedTensor
+from shardwise.sharded_tensor._placements import check_no_rrefs, flatten_size, validate_placements
 from shardwise.sharded_tensor._shard import Shard
 from shardwise.sharding_spec._api import infer_sharding_spec
 
@@ -192,7 +193,7 @@ def init_from_local_shards(
         shards_md, size = stacked_along_dim0(shards_md)
     validate_placements(shards_md, group)
     validate_layout(shards_md, size)
-    _check_no_rrefs(init_rrefs)
+    check_no_rrefs(init_rrefs)
     metadata = ShardedTensorMetadata(shards_md, torch.Size(size), props)
     spec = infer_sharding_spec(shards_md, size)
     mine = [s for s in shards_md if s.placement is not None and s.placement.rank() == group.global_rank]
