@@ -148,7 +148,11 @@ def test_default_group_falls_back_to_torch() -> None:
     assert isinstance(group, TorchGroup) and group.backend == "gloo"
     assert shardwise.resolve_group(dist.group.WORLD) is group
     assert shardwise.resolve_group(group) is group
-    with pytest.raises(TypeError, match="process_group must be a shardwise Group, a torch.distributed.ProcessGroup or None, got str"):
+    with pytest.raises(
+        TypeError,
+        match=r"process_group must be a shardwise Group, a torch.distributed.ProcessGroup, None or \(on a rank "
+        r"outside the group\) torch's GroupMember.NON_GROUP_MEMBER, got str",
+    ):
         shardwise.resolve_group("WORLD")
 
 
