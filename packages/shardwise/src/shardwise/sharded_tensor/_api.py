@@ -7,10 +7,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 from torch.utils import _pytree as pytree
 
-from shardwise._metadata import (
-    ShardedTensorMetadata,
-    TensorProperties,
-)
+from shardwise._metadata import ShardMetadata, ShardedTensorMetadata, TensorProperties
 from shardwise._validation import validate_layout
 from shardwise.sharded_tensor._local_shards import match_local_shards, no_default_group, shards_without_group
 from shardwise.sharded_tensor._placements import (
@@ -25,6 +22,22 @@ from shardwise.sharding_spec import ShardingSpec
 from shardwise.sharding_spec._api import infer_sharding_spec
 
 __all__ = ["ShardedTensor", "ShardedTensorBase", "flatten_size", "validate_placements"]
+
+
+def _checked_shards_metadata(metadata: ShardedTensorMetadata) -> list[ShardMetadata]:
+    """``metadata``'s shards, refused when there are none or the layout is not strided (both init forms check this).
+
+    Raises:
+        ValueError: no shards, or a layout other than ``torch.strided``.
+    """
+    layout = metadata.tensor_properties.layout
+    if not metadata.shards_metadata:
+        raise ValueError("shards_metadata must not be empty")
+    if layout != torch.strided:
+        raise ValueError(
+            f"only torch.strided layout is supported, got {layout} (Only torch.strided layout is currently supported)"
+        )
+    return metadata.shards_metadata
 
 
 class ShardedTensorBase(torch.Tensor):
@@ -70,15 +83,7 @@ class ShardedTensorBase(torch.Tensor):
             LocalShardsMismatchError: a shard is not an entry of the
                 metadata, or two shards have the same entry.
         """
-        shards_md = sharded_tensor_metadata.shards_metadata
-        props = sharded_tensor_metadata.tensor_properties
-        if not shards_md:
-            raise ValueError("shards_metadata must not be empty")
-        if props.layout != torch.strided:
-            raise ValueError(
-                f"only torch.strided layout is supported, got {props.layout} (Only torch.strided "
-                "layout is currently supported)"
-            )
+        shards_md = _checked_shards_metadata(sharded_tensor_metadata)
         validate_layout(shards_md, list(sharded_tensor_metadata.size))
         local = shards_without_group(local_shards, sharded_tensor_metadata)
         spec = sharding_spec
@@ -246,20 +251,12 @@ class ShardedTensor(ShardedTensorBase):
             return super()._init_from_local_shards_and_global_metadata(
                 local_shards, sharded_tensor_metadata, sharding_spec=sharding_spec
             )
-        shards_md = sharded_tensor_metadata.shards_metadata
-        props = sharded_tensor_metadata.tensor_properties
-        if not shards_md:
-            raise ValueError("shards_metadata must not be empty")
-        if props.layout != torch.strided:
-            raise ValueError(
-                f"only torch.strided layout is supported, got {props.layout} (Only torch.strided "
-                "layout is currently supported)"
-            )
+        shards_md = _checked_shards_metadata(sharded_tensor_metadata)
         group = resolve_group(process_group)
         validate_placements(shards_md, group)
         validate_layout(shards_md, list(sharded_tensor_metadata.size))
         mine = [md for md in shards_md if is_local(md, group)]
-        local = match_local_shards(local_shards, mine, props, group.global_rank)
+        local = match_local_shards(local_shards, mine, sharded_tensor_metadata.tensor_properties, group.global_rank)
         spec = sharding_spec
         if spec is None:
             spec = infer_sharding_spec(shards_md, sharded_tensor_metadata.size)

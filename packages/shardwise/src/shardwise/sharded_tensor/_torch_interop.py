@@ -187,6 +187,18 @@ def _pick_spec(
     return inferred
 
 
+
+def _properties(p: Any, cls: Any) -> Any:
+    """``p`` (either library's ``TensorProperties``) as a ``cls``: the two have the same fields."""
+    return cls(
+        dtype=p.dtype,
+        layout=p.layout,
+        requires_grad=bool(p.requires_grad),
+        memory_format=p.memory_format,
+        pin_memory=bool(p.pin_memory),
+    )
+
+
 def from_torch(
     tensor: TorchShardedTensor,
     *,
@@ -241,14 +253,7 @@ def from_torch(
         )
     torch_md = tensor.metadata()
     shards = [_shard_md_from_torch(md, what) for md in torch_md.shards_metadata]
-    p = torch_md.tensor_properties
-    props = TensorProperties(
-        dtype=p.dtype,
-        layout=p.layout,
-        requires_grad=bool(p.requires_grad),
-        memory_format=p.memory_format,
-        pin_memory=bool(p.pin_memory),
-    )
+    props = _properties(torch_md.tensor_properties, TensorProperties)
     metadata = ShardedTensorMetadata(shards, torch.Size(torch_md.size), props)
     local = tensor.local_shards()
     indices = _local_indices(local, torch_md.shards_metadata, what)
@@ -370,14 +375,7 @@ def to_torch(
     pg = _torch_process_group(tensor.process_group, process_group, what)
     md = tensor.metadata()
     shards = [_shard_md_to_torch(s) for s in md.shards_metadata]
-    p = md.tensor_properties
-    props = TorchTensorProperties(
-        dtype=p.dtype,
-        layout=p.layout,
-        requires_grad=bool(p.requires_grad),
-        memory_format=p.memory_format,
-        pin_memory=bool(p.pin_memory),
-    )
+    props = _properties(md.tensor_properties, TorchTensorProperties)
     torch_md = TorchShardedTensorMetadata(shards, torch.Size(md.size), props)
     local = tensor.local_shards()
     indices = _local_indices(local, md.shards_metadata, what)
