@@ -82,13 +82,13 @@ def peak_memory(fn: Callable[[], Any]) -> tuple[int, int]:
     The added memory is the larger of two counts: the peak resident set
     minus the resident set before (Linux only: writing 5 to
     ``/proc/self/clear_refs`` resets the peak, ``VmHWM``), and the most bytes
-    of shardwise's large buffers (``shardwise._memory``) taken while ``fn``
+    of shardwise's large buffers (``shardwise._comm.buffers``) taken while ``fn``
     runs and in use at once (buffers from before that are freed meanwhile,
     for instance late by gloo's worker thread, do not offset them). The
     second counts buffers that reuse memory already resident (its cache of
     freed buffers), which the first misses.
     """
-    from shardwise import _memory
+    from shardwise._comm import buffers as _memory
 
     gc.collect()
     before = _status_bytes("VmRSS")

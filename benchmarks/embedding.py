@@ -26,7 +26,7 @@ bags; column-wise: every rank's ids), with no communication. That is what
 torch._shard computes locally, so ``torch._shard ms / local ms`` shows how
 much of its time is communication and overhead. shardwise can beat it: it
 deduplicates ids, and its results and gradients avoid page faults (see
-``shardwise._memory``) and use a faster bag backward.
+``shardwise._comm.buffers``) and use a faster bag backward.
 
 Each cell is the median of the timed calls after warm-up ones, with a barrier
 before each call; the order of the implementations rotates between calls so

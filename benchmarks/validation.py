@@ -54,7 +54,7 @@ from torch.distributed._shard.sharding_spec._internals import (
 )
 
 from shardwise import ShardMetadata
-from shardwise._validation import check_covering, validate_layout, validate_non_overlapping
+from shardwise._vocab.validation import check_covering, validate_layout, validate_non_overlapping
 from shardwise.sharding_spec import ChunkShardingSpec
 
 Boxes = list[tuple[list[int], list[int]]]

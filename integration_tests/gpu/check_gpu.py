@@ -173,7 +173,7 @@ def _pick_device(group: Group, wanted: str) -> torch.device:
         return torch.device("cpu")
     if group.device.type == "cuda":
         return group.device
-    from shardwise._runtime import detect  # the launch information shardwise.init used
+    from shardwise._session.runtime import detect  # the launch information shardwise.init used
 
     local_rank = detect().local_rank
     return torch.device("cuda", local_rank % torch.cuda.device_count())

@@ -63,7 +63,7 @@ from shardwise import (
     shard_parameter,
     shard_tensor,
 )
-from shardwise._runtime import detect
+from shardwise._session.runtime import detect
 from shardwise.sharded_tensor import init_from_local_shards, zeros
 
 __all__ = ["CASES", "LINE", "SOME_RANK", "Case", "Ctx", "Expect", "culprit_of", "expected", "main"]

@@ -16,7 +16,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from shardwise import _registry  # noqa: E402
+from shardwise._registry import manager as _registry
 from shardwise.testing import isolated_plugins  # noqa: E402
 
 #: Environment for ranks started by ``run_ranks`` in core tests.

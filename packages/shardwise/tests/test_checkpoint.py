@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 import shardwise
 import shardwise.checkpoint as ckpt
-from shardwise import _dcp_codec as codec
+from shardwise._vocab import dcp_codec as codec
 from shardwise.sharding_spec import ChunkShardingSpec
 
 from rank_helpers import outcome
@@ -314,7 +314,7 @@ def test_a_checkpoint_that_would_run_code_is_refused_on_every_rank(tmp_path: Pat
 def crafted_exchange_rank(marker: str) -> tuple[str, str]:
     import pickle
 
-    from shardwise import _wire
+    from shardwise._vocab import wire as _wire
 
     group = shardwise.get_default_group()
     if group.rank == 1:

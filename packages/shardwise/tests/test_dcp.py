@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 import shardwise
-from shardwise._metadata import ShardMetadata, TensorProperties
+from shardwise._vocab.metadata import ShardMetadata, TensorProperties
 from shardwise.sharded_tensor import Shard, ShardedTensor
 from shardwise.sharding_spec import ChunkShardingSpec, EnumerableShardingSpec, ShardingSpec
 

@@ -1,6 +1,6 @@
 """The redistribution planner, on metadata alone, simulated over every rank in one process.
 
-``shardwise._exchange.plan`` decides what each rank copies locally, sends and
+``shardwise._layout.redistribute.plan`` decides what each rank copies locally, sends and
 receives; ``pack``/``unpack``/``copy_local`` are the real data movers. Here
 every rank's plan is run against in-memory "wires" and the result compared
 with the dense tensor, and the plans are checked against an independent
@@ -19,7 +19,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as hst
 
-from shardwise._exchange import (
+from shardwise._layout.redistribute import (
     Piece,
     Plan,
     arrives_whole,
@@ -32,8 +32,8 @@ from shardwise._exchange import (
     run_of,
     unpack,
 )
-from shardwise._metadata import ShardMetadata, ShardedTensorMetadata, TensorProperties
-from shardwise._plan import MAX_ROUNDS, restrict, rounds_needed, slabs
+from shardwise._vocab.metadata import ShardMetadata, ShardedTensorMetadata, TensorProperties
+from shardwise._layout.plan import MAX_ROUNDS, restrict, rounds_needed, slabs
 from shardwise.sharding_spec import ChunkShardingSpec
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import shardwise
-from shardwise._metadata import check_covering, intersect, validate_non_overlapping
+from shardwise._vocab.metadata import check_covering, intersect, validate_non_overlapping
 from shardwise.sharded_tensor import ShardMetadata, ShardedTensorMetadata, TensorProperties
 from shardwise.sharding_spec import (
     ChunkShardingSpec,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from shardwise._info import collect, main, render
+from shardwise._session.info import collect, main, render
 
 PLUGIN_PYPROJECT = """
 [build-system]
@@ -55,7 +55,7 @@ def test_text_output_lists_every_section(core_only: None, capsys: pytest.Capture
     assert out.startswith("shardwise 0.1.0 (torch ")
     for heading in ("Plugins:", "Backends:", "Launchers (tried in this order):", "Sharded ops:"):
         assert heading in out
-    assert "core_test_backend" in out and "shardwise._launchers" in out
+    assert "core_test_backend" in out and "shardwise._session.launchers" in out
     assert "test-gloo  available" in out
     # The core's own ops come through the same hook as any plugin's.
     assert "torch.Tensor.shape.__get__" in out and "shardwise.sharding_spec.ShardingSpec" in out

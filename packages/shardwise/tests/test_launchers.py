@@ -7,8 +7,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from shardwise import plugins
-from shardwise._launchers import first_slurm_host, slurm_port
-from shardwise._runtime import detect
+from shardwise._session.launchers import first_slurm_host, slurm_port
+from shardwise._session.runtime import detect
 from shardwise.errors import LaunchError
 
 TORCHRUN = {

@@ -1,4 +1,4 @@
-"""``shardwise._memory``: large CPU buffers on their own huge-page mappings, small ones from torch."""
+"""``shardwise._comm.buffers``: large CPU buffers on their own huge-page mappings, small ones from torch."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardwise import _memory
+from shardwise._comm import buffers as _memory
 
 MAPPED = _memory.huge_pages_enabled()
 BIG = (_memory.HUGE_PAGE_MIN_BYTES // 4 // 256, 256)  # float32: exactly the threshold

@@ -1,4 +1,4 @@
-"""``shardwise._memory.peak_new_bytes``: what the code since ``reset_peak`` allocated, whatever earlier buffers do."""
+"""``shardwise._comm.buffers.peak_new_bytes``: what the code since ``reset_peak`` allocated, whatever earlier buffers do."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from shardwise import _memory
+from shardwise._comm import buffers as _memory
 
 pytestmark = pytest.mark.skipif(not _memory.huge_pages_enabled(), reason="no MADV_HUGEPAGE on this platform")
 

@@ -16,8 +16,8 @@ from torch.distributed._shard.sharder import Sharder as TorchSharder
 from torch.distributed._shard.sharding_spec import ChunkShardingSpec as TorchChunk
 
 import shardwise
-from shardwise._metadata import TensorProperties
-from shardwise._modules import pre_load_state_dict_hook, shard_module, shard_parameter, state_dict_hook
+from shardwise._vocab.metadata import TensorProperties
+from shardwise._modules.sharding import pre_load_state_dict_hook, shard_module, shard_parameter, state_dict_hook
 from shardwise.sharded_tensor import Shard, ShardedTensor
 from shardwise.sharder import Sharder
 from shardwise.sharding_plan import ShardingPlan, ShardingPlanner

@@ -20,7 +20,7 @@ from torch.distributed._shard.sharding_spec import ChunkShardingSpec as TorchChu
 
 import shardwise
 from shardwise import sharded_tensor
-from shardwise._metadata import Placement, PlacementError
+from shardwise._vocab.metadata import Placement, PlacementError
 from shardwise.sharding_spec import ChunkShardingSpec, DevicePlacementSpec, ShardMetadata
 
 from rank_helpers import HAS_TORCH_PG, outcome, run

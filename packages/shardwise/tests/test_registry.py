@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import shardwise
-from shardwise import Availability, Backend, Launcher, ShardedOp, hookimpl, plugins
-from shardwise._registry import DEFAULT_PLUGINS, create_registry
+from shardwise import Availability, Backend, Launcher, ShardedOp, hookimpl
+from shardwise import plugins
+from shardwise._registry.manager import DEFAULT_PLUGINS, create_registry
 from shardwise.errors import BackendNotFoundError, OpNotFoundError, PluginError
 
 
@@ -55,7 +56,7 @@ class OpPlugin:
 
 
 def test_import_builds_nothing() -> None:
-    code = "import shardwise, shardwise._registry as r, sys; print(r._current is None, 'mpi4py' in sys.modules)"
+    code = "import shardwise, shardwise._registry.manager as r, sys; print(r._current is None, 'mpi4py' in sys.modules)"
     import subprocess
 
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
@@ -67,7 +68,7 @@ def test_default_plugins_register_through_the_same_hooks(core_only: None) -> Non
     for module in DEFAULT_PLUGINS:
         assert module in names
     assert [launcher.name for launcher in plugins.list_launchers()][:2] == ["torchrun", "openmpi"]
-    info = {p.name: p for p in plugins.list_plugins()}["shardwise._launchers"]
+    info = {p.name: p for p in plugins.list_plugins()}["shardwise._session.launchers"]
     assert info.distribution == "shardwise" and info.version == shardwise.__version__
 
 
@@ -102,7 +103,7 @@ def test_blocked_plugin_then_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_default_plugins_can_be_blocked(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SHARDWISE_DISABLE_PLUGIN_AUTOLOAD", "1")
-    monkeypatch.setenv("SHARDWISE_BLOCKED_PLUGINS", "shardwise._launchers")
+    monkeypatch.setenv("SHARDWISE_BLOCKED_PLUGINS", "shardwise._session.launchers")
     plugins.reset()
     assert plugins.list_launchers() == []
 
@@ -208,7 +209,7 @@ def test_launcher_duplicates_rejected(core_only: None) -> None:
             yield Launcher("slurm", lambda env: None)
 
     plugins.register(Dup(), name="dup")
-    with pytest.raises(PluginError, match="launcher 'slurm' is provided by two plugins: 'shardwise._launchers' and 'dup'"):
+    with pytest.raises(PluginError, match="launcher 'slurm' is provided by two plugins: 'shardwise._session.launchers' and 'dup'"):
         plugins.list_launchers()
 
 

@@ -26,7 +26,7 @@ from rank_helpers import run as _run
 
 
 def _memory_tracked() -> bool:
-    from shardwise import _memory
+    from shardwise._comm import buffers as _memory
 
     return _memory.huge_pages_enabled()
 
@@ -211,7 +211,7 @@ def test_every_layout_pair(world_size: int) -> None:
 
 def reshard_memory() -> list[float]:
     """Peak bytes of shardwise buffers each dim 0 <-> dim 1 reshard adds, in local shards."""
-    from shardwise import _memory
+    from shardwise._comm import buffers as _memory
 
     g = shardwise.get_default_group()
     ranks = list(range(g.size))
@@ -325,7 +325,7 @@ def test_bad_input_raises_on_every_rank() -> None:
 
 @pytest.mark.parametrize("bad", [None, "2", 2.0, True, 0, 9])
 def test_a_round_count_from_a_peer_must_be_an_int_from_1_to_8(bad: object) -> None:
-    from shardwise._reshard import _agreed_rounds
+    from shardwise._tensor.reshard import _agreed_rounds
 
     assert _agreed_rounds([1, 2, 1]) == 2
     with pytest.raises(ValueError, match=r"reshard: rank 1 sent the round count .*, not an int from 1 to 8"):

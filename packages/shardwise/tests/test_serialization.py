@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 import shardwise
-from shardwise._load_context import load_with_process_group, restore_sharded_tensor
-from shardwise._metadata import ShardMetadata
-from shardwise._modules import shard_parameter
+from shardwise._tensor.pickling import load_with_process_group, restore_sharded_tensor
+from shardwise._vocab.metadata import ShardMetadata
+from shardwise._modules.sharding import shard_parameter
 from shardwise.sharded_tensor import ShardedTensor
 from shardwise.sharding_spec import ChunkShardingSpec, EnumerableShardingSpec
 from shardwise.testing import current_rank_dir

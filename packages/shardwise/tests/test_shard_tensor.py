@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import shardwise
-from shardwise._scatter import shard_tensor
+from shardwise._tensor.scatter import shard_tensor
 from shardwise.sharded_tensor import ShardMetadata, ShardedTensor, TensorProperties
 from shardwise.sharding_spec import ChunkShardingSpec, EnumerableShardingSpec, ShardingSpec, chunk_sizes
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import shardwise
 import shardwise.sharded_tensor as sharded
-from shardwise._metadata import ShardMetadata, TensorProperties
+from shardwise._vocab.metadata import ShardMetadata, TensorProperties
 from shardwise.errors import OpNotFoundError
 from shardwise.sharded_tensor import Shard, ShardedTensor
 from shardwise.sharding_spec import ChunkShardingSpec, EnumerableShardingSpec, ShardingSpec

@@ -13,7 +13,7 @@ from torch.distributed._shard.sharded_optim import ShardedOptimizer as TorchShar
 
 import shardwise
 import shardwise.nn.functional as swf
-from shardwise._metadata import ShardMetadata
+from shardwise._vocab.metadata import ShardMetadata
 from shardwise.sharded_optim import ShardedOptimizer, named_params_with_sharded_tensor
 from shardwise.sharded_tensor import ShardedTensor
 from shardwise.sharding_spec import ChunkShardingSpec, EnumerableShardingSpec, ShardingSpec

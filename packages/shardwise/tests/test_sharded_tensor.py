@@ -197,7 +197,7 @@ def dispatch() -> dict[str, Any]:
     assert torch.matmul(st, st) == "custom matmul" and seen == [g]
 
     # softmax along the unsharded dim runs on the local shard; along the sharded dim it is refused.
-    from shardwise._custom_ops import register_sharded_op_on_local_tensor
+    from shardwise._tensor.custom_ops import register_sharded_op_on_local_tensor
 
     def only_unsharded(st_: ShardedTensor, dim: int, **kwargs: Any) -> None:
         if dim % st_.dim() == st_.sharding_spec().dim:  # type: ignore[attr-defined]
@@ -244,7 +244,8 @@ def test_op_not_found_is_also_not_implemented_error() -> None:
 
 
 def test_custom_op_decorators_do_not_build_the_plugin_manager() -> None:
-    from shardwise import _custom_ops, _registry
+    from shardwise._tensor import custom_ops as _custom_ops
+    from shardwise._registry import manager as _registry
 
     _registry.reset()
 

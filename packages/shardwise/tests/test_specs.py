@@ -14,7 +14,7 @@ from torch.distributed._shard.sharding_spec import ChunkShardingSpec as TorchChu
 from torch.distributed._shard.sharding_spec import EnumerableShardingSpec as TorchEnumSpec
 from torch.distributed._shard.sharding_spec import ShardMetadata as TorchShardMetadata
 
-from shardwise._metadata import check_covering, intersect, validate_non_overlapping
+from shardwise._vocab.metadata import check_covering, intersect, validate_non_overlapping
 from shardwise.sharded_tensor import ShardMetadata, ShardedTensorMetadata, TensorProperties
 from shardwise.sharding_spec import (
     ChunkShardingSpec,

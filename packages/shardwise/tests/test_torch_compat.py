@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import shardwise
-from shardwise._custom_ops import shardwise_sharded_ops
+from shardwise._tensor.custom_ops import shardwise_sharded_ops
 from shardwise.errors import (
     GroupMismatchError,
     InvalidArgumentError,

@@ -391,7 +391,7 @@ def _metadata_from_local_shards() -> int:
 def _op_faces() -> int:
     """sharded_tensor.equal/allclose/uniform_ ..., _common._register_sharded_op_on_local_tensor, the embedding ops."""
     import shardwise.sharded_tensor as st_mod
-    from shardwise import _custom_ops
+    from shardwise._tensor import custom_ops as _custom_ops
     from shardwise.common_op_utils import _basic_validation
     from shardwise.sharding_spec.chunk_sharding_spec_ops._common import _register_sharded_op_on_local_tensor
 

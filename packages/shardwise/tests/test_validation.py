@@ -1,6 +1,6 @@
 """Shard validation (overlaps, covering) against a brute-force check, on every layout path.
 
-``shardwise._validation`` picks an algorithm by layout (one cut dim, two,
+``shardwise._vocab.validation`` picks an algorithm by layout (one cut dim, two,
 three or more, a cell budget that falls back to a sweep, the fast tiling
 check of ``validate_layout``); these tests compare each with a cell-by-cell
 oracle on small random shard sets, and check the messages keep torch 2.13's
@@ -17,9 +17,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardwise import _validation
-from shardwise._metadata import ShardMetadata
-from shardwise._validation import check_covering, find_overlap, validate_layout, validate_non_overlapping
+from shardwise._vocab import validation as _validation
+from shardwise._vocab.metadata import ShardMetadata
+from shardwise._vocab.validation import check_covering, find_overlap, validate_layout, validate_non_overlapping
 
 
 def _cells(md: ShardMetadata) -> set[tuple[int, ...]]:

@@ -14,8 +14,9 @@ import pytest
 import torch.nn.functional as F
 
 import shardwise
-from shardwise import _registry, plugins
-from shardwise._info import main as info_main
+from shardwise._registry import manager as _registry
+from shardwise import plugins
+from shardwise._session.info import main as info_main
 from shardwise.sharding_spec import ChunkShardingSpec
 
 OPS = {F.embedding: "torch.nn.functional.embedding", F.embedding_bag: "torch.nn.functional.embedding_bag"}

@@ -64,7 +64,7 @@ def test_automatic_choice_is_gloo_on_cpu(world_size: int) -> None:
 
 
 def test_plugin_named_twice_is_registered_once() -> None:
-    from shardwise._registry import create_registry
+    from shardwise._registry.manager import create_registry
 
     registry = create_registry({"SHARDWISE_PLUGINS": "shardwise_gloo.plugin"})
     assert registry.backends["gloo"][1] == "shardwise_gloo.plugin"  # once, under its module name

@@ -6,11 +6,11 @@ and backend libraries (mpi4py, CUDA) load only when their backend is chosen.
 
 from __future__ import annotations
 
-from shardwise._group import Group
-from shardwise._load_context import load_with_process_group
-from shardwise._modules import shard_module, shard_parameter
-from shardwise._records import Availability, Backend, LaunchInfo, Launcher, ShardedOp
-from shardwise._runtime import (
+from shardwise._comm.group import Group
+from shardwise._tensor.pickling import load_with_process_group
+from shardwise._modules.sharding import shard_module, shard_parameter
+from shardwise._registry.records import Availability, Backend, LaunchInfo, Launcher, ShardedOp
+from shardwise._session.runtime import (
     DEFAULT_TIMEOUT,
     destroy,
     get_default_group,
@@ -18,7 +18,7 @@ from shardwise._runtime import (
     is_initialized,
     resolve_group,
 )
-from shardwise._scatter import shard_tensor
+from shardwise._tensor.scatter import shard_tensor
 from shardwise.api import _shard_tensor
 from shardwise.hookspecs import hookimpl
 from shardwise.sharded_tensor import (
@@ -30,9 +30,9 @@ from shardwise.sharded_tensor import (
     from_torch,
     to_torch,
 )
-from shardwise.sharder import Sharder
-from shardwise.sharding_plan import ShardingPlan
-from shardwise.sharding_spec import (
+from shardwise._modules.sharder import Sharder
+from shardwise._modules.plan import ShardingPlan
+from shardwise._tensor.specs import (
     ChunkShardingSpec,
     DevicePlacementSpec,
     EnumerableShardingSpec,

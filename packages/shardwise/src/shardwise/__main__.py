@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from shardwise._info import main
+from shardwise._session.info import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,7 +1,7 @@
 """Sharding tensors and modules, at torch 2.13's path ``torch.distributed._shard.api``.
 
-A torch-compatible public face over :mod:`shardwise._scatter`,
-:mod:`shardwise._modules` and :mod:`shardwise._load_context`, with torch's
+A torch-compatible public face over :mod:`shardwise._tensor.scatter`,
+:mod:`shardwise._modules.sharding` and :mod:`shardwise._tensor.pickling`, with torch's
 public names and the private ones outside code imports (``_shard_tensor``,
 ``_reshard_output``, ``_collect_local_shard``, ``_get_current_process_group``).
 """
@@ -10,17 +10,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardwise._group import Group
-from shardwise._load_context import current_process_group, load_with_process_group
-from shardwise._modules import (  # noqa: F401 - torch's private hooks, imported by outside code from here
+from shardwise._comm.group import Group
+from shardwise._tensor.pickling import current_process_group, load_with_process_group
+from shardwise._modules.sharding import (  # noqa: F401 - torch's private hooks, imported by outside code from here
     _collect_local_shard,
     _reshard_output,
     shard_module,
     shard_parameter,
 )
-from shardwise._scatter import shard_tensor
+from shardwise._tensor.scatter import shard_tensor
 from shardwise.sharded_tensor import ShardedTensor
-from shardwise.sharder import Sharder
+from shardwise._modules.sharder import Sharder
 from shardwise.sharding_plan import ShardingPlan
 from shardwise.sharding_spec import ChunkShardingSpec, ShardingSpec
 

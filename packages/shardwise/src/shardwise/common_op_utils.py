@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.utils import _pytree as pytree
 
-from shardwise.sharded_tensor._api import ShardedTensor
+from shardwise._tensor.sharded_tensor import ShardedTensor
 
 __all__: list[str] = []
 

@@ -120,7 +120,7 @@ class PeerLostError(ShardwiseError, RuntimeError):
 class UnsafeCheckpointError(ShardwiseError, pickle.UnpicklingError):
     """A checkpoint holds a pickle that names something other than plain data (loading it could run code).
 
-    Raised by ``shardwise.checkpoint.load`` for a ``.metadata`` file that
+    Raised by ``shardwise._modules.checkpoint.load`` for a ``.metadata`` file that
     refers to anything but DCP's metadata types, or a saved value that
     ``torch.load(weights_only=True)`` refuses. Nothing from it was called.
     """

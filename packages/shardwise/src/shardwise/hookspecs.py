@@ -10,14 +10,14 @@ entry-point group::
     mybackend = "my_package.plugin"
 
 Registration hooks take no arguments and return (or ``yield``) frozen
-records from :mod:`shardwise._records` (re-exported by :mod:`shardwise`).
+records from :mod:`shardwise._registry.records` (re-exported by :mod:`shardwise`).
 The core collects them from every plugin, rejects wrong types and
 duplicates (naming both plugins), and sorts them; callers then use the
-accessors in :mod:`shardwise.plugins`, never ``pm.hook`` directly.
+accessors in :mod:`shardwise._registry.access`, never ``pm.hook`` directly.
 
 Hooks are called lazily: the first time something asks for a backend, an op
 or a launcher, not at import time. They may be called again after
-:func:`shardwise.plugins.reset` (tests do this), so they must not have side
+:func:`shardwise._registry.access.reset` (tests do this), so they must not have side
 effects.
 """
 
@@ -27,7 +27,7 @@ from typing import Iterable
 
 import pluggy
 
-from shardwise._records import Backend, Launcher, ShardedOp
+from shardwise._registry.records import Backend, Launcher, ShardedOp
 
 PROJECT_NAME = "shardwise"
 
@@ -50,7 +50,7 @@ def shardwise_backends() -> Iterable[Backend]:
 
     Called once per plugin manager, by the registry, the first time a
     backend is looked up (``shardwise.init``, ``shardwise info``,
-    :func:`shardwise.plugins.get_backend`). The records of all plugins are
+    :func:`shardwise._registry.access.get_backend`). The records of all plugins are
     merged; two plugins declaring the same backend ``name`` is an error
     naming both.
 
@@ -86,7 +86,7 @@ def shardwise_sharded_ops() -> Iterable[ShardedOp]:
 
     Called once per plugin manager, by the registry, the first time an op
     is looked up (``ShardedTensor.__torch_function__``,
-    :func:`shardwise.plugins.find_op`, ``shardwise info``). Two plugins
+    :func:`shardwise._registry.access.find_op`, ``shardwise info``). Two plugins
     declaring the same ``(op, spec)`` pair is an error naming both, unless
     exactly one record sets ``override=True`` (user code taking the op
     over; ``custom_sharded_op_impl`` does this). Lookups walk the spec's

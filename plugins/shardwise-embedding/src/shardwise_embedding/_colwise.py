@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 import shardwise.nn.functional as dist_f
-from shardwise import Group, _memory
+from shardwise import Group
+from shardwise._comm import buffers as _memory
 from shardwise_embedding._grad import pool_by_frequency, scale_grad
 from shardwise_embedding._inputs import Options, Table, zeros_in_graph
 from shardwise_embedding._take import place_columns, pool_rows, take_rows

@@ -21,7 +21,8 @@ from typing import Optional
 import torch
 
 import shardwise.nn.functional as dist_f
-from shardwise import Group, _memory
+from shardwise import Group
+from shardwise._comm import buffers as _memory
 from shardwise_embedding._grad import pool_by_frequency, scale_grad
 from shardwise_embedding._inputs import Bags, Options, Table, zeros_in_graph
 from shardwise_embedding._take import pool_rows, take_rows

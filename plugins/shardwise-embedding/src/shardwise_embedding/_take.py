@@ -3,8 +3,8 @@
 ``F.embedding`` and ``F.embedding_bag`` compute the same things, but their
 results and weight gradients come fresh from torch's allocator, which
 faults them in 4 KiB at a time; for tables and batches of tens of MiB that
-costs several times the arithmetic (see ``shardwise._memory``). These
-functions write into ``shardwise._memory`` buffers instead. A row gather's
+costs several times the arithmetic (see ``shardwise._comm.buffers``). These
+functions write into ``shardwise._comm.buffers`` buffers instead. A row gather's
 backward adds the rows' gradients into a zero-filled buffer with
 ``index_add_`` (cheaper here than ``embedding_dense_backward``'s sort); a
 bag sum's backward is itself a bag sum over the gradient (see
@@ -18,7 +18,7 @@ from typing import Any, Optional
 import torch
 from torch.autograd import Function
 
-from shardwise import _memory
+from shardwise._comm import buffers as _memory
 
 __all__ = ["place_columns", "pool_rows", "take_rows"]
 

@@ -39,7 +39,7 @@ from shardwise import (
     ShardMetadata,
     ShardedTensor,
 )
-from shardwise._runtime import resolve_group
+from shardwise._comm.default_group import resolve_group
 from shardwise.sharded_tensor import Shard as LocalShard
 
 __all__ = ["from_dtensor", "to_dtensor"]

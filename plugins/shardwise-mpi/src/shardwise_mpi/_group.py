@@ -26,8 +26,10 @@ from typing import Any, Optional, Sequence
 import torch
 from mpi4py import MPI
 
-from shardwise import Group, _memory
-from shardwise._runtime import DEFAULT_TIMEOUT
+from shardwise import Group
+
+from shardwise._comm import buffers as _memory
+from shardwise._comm.default_group import DEFAULT_TIMEOUT
 from shardwise_mpi import _collectives as C
 from shardwise_mpi._watchdog import Watchdog
 

@@ -1,10 +1,10 @@
 """Autograd-aware building blocks for sharded modules.
 
-:mod:`shardwise.nn.functional` holds the differentiable collectives.
+:mod:`shardwise._comm.autograd` holds the differentiable collectives.
 """
 
 from __future__ import annotations
 
-from shardwise.nn import functional
+from shardwise._comm import autograd as functional
 
 __all__ = ["functional"]

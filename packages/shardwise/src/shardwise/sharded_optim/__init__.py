@@ -9,7 +9,7 @@ from typing import Iterator, Union
 
 from torch import nn
 
-from shardwise.sharded_optim._api import ShardedOptimizer
+from shardwise._modules.optim import ShardedOptimizer
 from shardwise.sharded_tensor import ShardedTensor
 
 __all__ = ["ShardedOptimizer", "named_params_with_sharded_tensor"]

@@ -3,7 +3,7 @@
 torch's ``sharded_tensor`` package re-exports its built-in implementations of
 ``torch.equal``, ``torch.allclose`` and four ``torch.nn.init`` functions,
 callable as ``impl(types, args, kwargs, process_group)``. shardwise's
-implementations are registered ops (``shardwise.sharded_tensor._ops``); these
+implementations are registered ops (``shardwise._tensor.ops``); these
 functions run the op on their arguments, so they do what calling the torch
 function on a ShardedTensor does.
 """

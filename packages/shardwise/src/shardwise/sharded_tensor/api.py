@@ -1,6 +1,6 @@
 """``ShardedTensor`` and its metadata helpers, at torch 2.13's path ``sharded_tensor.api``.
 
-A torch-compatible public face over :mod:`shardwise.sharded_tensor._api`
+A torch-compatible public face over :mod:`shardwise._tensor.sharded_tensor`
 and the helpers torch's module re-exports.
 """
 
@@ -11,9 +11,9 @@ from typing import Any
 import torch
 
 from shardwise import sharding_spec as shard_spec
-from shardwise._metadata import ShardedTensorMetadata, TensorProperties
-from shardwise.sharded_tensor._api import ShardedTensor, ShardedTensorBase
-from shardwise.sharded_tensor._shard import Shard
+from shardwise._vocab.metadata import ShardedTensorMetadata, TensorProperties
+from shardwise._tensor.sharded_tensor import ShardedTensor, ShardedTensorBase
+from shardwise._vocab.shard import Shard
 from shardwise.sharded_tensor.reshard import reshard_local_shard, reshuffle_local_shard
 from shardwise.sharded_tensor.utils import (
     build_global_metadata,

@@ -1,6 +1,6 @@
 """Sharded tensor metadata records, at torch 2.13's path ``sharded_tensor.metadata``.
 
-A torch-compatible public face over :mod:`shardwise._metadata`, plus torch's
+A torch-compatible public face over :mod:`shardwise._vocab.metadata`, plus torch's
 ``MEM_FORMAT_ENCODING``.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from enum import Enum
 
-from shardwise._metadata import ShardMetadata, ShardedTensorMetadata, TensorProperties
+from shardwise._vocab.metadata import ShardMetadata, ShardedTensorMetadata, TensorProperties
 
 __all__ = ["MEM_FORMAT_ENCODING", "ShardMetadata", "ShardedTensorMetadata", "TensorProperties"]
 

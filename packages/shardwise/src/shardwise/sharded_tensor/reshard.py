@@ -3,7 +3,7 @@
 A torch-compatible public face: torch's helpers for resharding a tensor with
 one chunk per rank, with the same names, signatures and results, over
 shardwise's records and its autograd-aware collectives
-(:mod:`shardwise.nn.functional`), so they run on any backend. ``pg`` takes a
+(:mod:`shardwise._comm.autograd`), so they run on any backend. ``pg`` takes a
 shardwise ``Group``, a torch ``ProcessGroup`` or None (the default group);
 placements name global ranks, as in torch. (``ShardedTensor.reshard``
 itself does not need these: it moves any layout to any other in one
@@ -17,10 +17,10 @@ from typing import Any, Optional, Sequence
 import torch
 
 from shardwise import sharding_spec as shard_spec
-from shardwise._metadata import Placement, ShardMetadata
-from shardwise._runtime import resolve_group
-from shardwise.nn.functional import all_to_all, all_to_all_single
-from shardwise.sharded_tensor._shard import Shard
+from shardwise._vocab.metadata import Placement, ShardMetadata
+from shardwise._comm.default_group import resolve_group
+from shardwise._comm.autograd import all_to_all, all_to_all_single
+from shardwise._vocab.shard import Shard
 from shardwise.sharding_spec._internals import get_chunked_dim_size, get_split_size
 
 __all__ = [

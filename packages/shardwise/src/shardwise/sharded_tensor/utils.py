@@ -1,7 +1,7 @@
 """Building a sharded tensor's global metadata from each rank's shards, at torch 2.13's path ``sharded_tensor.utils``.
 
 A torch-compatible public face: the same names and signatures as torch's
-module, over shardwise's records and checks (:mod:`shardwise._metadata`).
+module, over shardwise's records and checks (:mod:`shardwise._vocab.metadata`).
 ``process_group`` arguments take a shardwise ``Group``, a torch
 ``ProcessGroup`` or None, as everywhere in shardwise; placements name global
 ranks, as in torch.
@@ -15,9 +15,9 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from shardwise._metadata import Placement, ShardMetadata, ShardedTensorMetadata, TensorProperties
-from shardwise._runtime import resolve_group
-from shardwise.sharded_tensor._shard import Shard
+from shardwise._vocab.metadata import Placement, ShardMetadata, ShardedTensorMetadata, TensorProperties
+from shardwise._comm.default_group import resolve_group
+from shardwise._vocab.shard import Shard
 from shardwise.sharding_spec._internals import check_tensor, validate_non_overlapping_shards_metadata
 
 __all__ = [

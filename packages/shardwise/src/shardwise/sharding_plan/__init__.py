@@ -5,6 +5,6 @@ Names follow ``torch.distributed._shard.sharding_plan`` (torch 2.13).
 
 from __future__ import annotations
 
-from shardwise.sharding_plan._api import ShardingPlan, ShardingPlanner
+from shardwise._modules.plan import ShardingPlan, ShardingPlanner
 
 __all__ = ["ShardingPlan", "ShardingPlanner"]

@@ -5,9 +5,9 @@ Names follow ``torch.distributed._shard.sharding_spec`` (torch 2.13).
 
 from __future__ import annotations
 
-from shardwise._custom_ops import custom_sharding_spec_op
-from shardwise._metadata import Placement, ShardMetadata
-from shardwise.sharding_spec._api import (
+from shardwise._tensor.custom_ops import custom_sharding_spec_op
+from shardwise._vocab.metadata import Placement, ShardMetadata
+from shardwise._tensor.specs import (
     ChunkShardingSpec,
     DevicePlacementSpec,
     EnumerableShardingSpec,

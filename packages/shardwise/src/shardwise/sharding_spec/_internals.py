@@ -3,7 +3,7 @@
 A torch-compatible public face: outside code imports these helpers from
 ``torch.distributed._shard.sharding_spec._internals``, so they exist here
 under the same names and signatures. The layout checks are shardwise's own
-(:mod:`shardwise._metadata`); the chunk arithmetic follows ``torch.chunk``,
+(:mod:`shardwise._vocab.metadata`); the chunk arithmetic follows ``torch.chunk``,
 as :class:`~shardwise.sharding_spec.ChunkShardingSpec` does.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from shardwise._metadata import ShardMetadata, check_covering, validate_non_overlapping
+from shardwise._vocab.metadata import ShardMetadata, check_covering, validate_non_overlapping
 
 __all__ = [
     "ShardMetadata",

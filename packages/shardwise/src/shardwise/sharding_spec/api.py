@@ -1,6 +1,6 @@
 """Sharding spec classes, at torch 2.13's path ``sharding_spec.api``.
 
-A torch-compatible public face over :mod:`shardwise.sharding_spec._api`:
+A torch-compatible public face over :mod:`shardwise._tensor.specs`:
 the same names as torch's module, nothing implemented here.
 """
 
@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from shardwise._custom_ops import custom_sharding_spec_op
-from shardwise._metadata import ShardMetadata
+from shardwise._tensor.custom_ops import custom_sharding_spec_op
+from shardwise._vocab.metadata import ShardMetadata
 from shardwise.sharded_tensor import metadata as sharded_tensor_meta
-from shardwise.sharding_spec._api import (
+from shardwise._tensor.specs import (
     DevicePlacementSpec,
     EnumerableShardingSpec,
     PlacementSpec,

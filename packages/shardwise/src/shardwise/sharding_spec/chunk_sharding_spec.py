@@ -1,6 +1,6 @@
 """``ChunkShardingSpec``, at torch 2.13's path ``sharding_spec.chunk_sharding_spec``.
 
-A torch-compatible public face over :mod:`shardwise.sharding_spec._api`,
+A torch-compatible public face over :mod:`shardwise._tensor.specs`,
 plus ``narrow_tensor``, which torch's module re-exports.
 """
 
@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from shardwise._metadata import ShardMetadata
+from shardwise._vocab.metadata import ShardMetadata
 from shardwise.sharded_tensor import metadata as sharded_tensor_meta
-from shardwise.sharded_tensor._shard import Shard
-from shardwise.sharding_spec._api import ChunkShardingSpec, ShardingSpec
+from shardwise._vocab.shard import Shard
+from shardwise._tensor.specs import ChunkShardingSpec, ShardingSpec
 from shardwise.sharding_spec._internals import get_chunked_dim_size, get_split_size
 
 __all__ = [

@@ -6,7 +6,7 @@ import contextlib
 import os
 from typing import Iterator
 
-from shardwise import _registry
+from shardwise._registry import manager as _registry
 
 __all__ = ["isolated_plugins"]
 

@@ -1,7 +1,7 @@
 """Helpers for ChunkShardingSpec ops, at torch 2.13's path ``chunk_sharding_spec_ops._common``.
 
 A torch-compatible public face: the names outside code imports from torch's
-module, over :mod:`shardwise._custom_ops` and the chunk arithmetic of
+module, over :mod:`shardwise._tensor.custom_ops` and the chunk arithmetic of
 :mod:`shardwise.sharding_spec._internals`.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from shardwise._custom_ops import custom_sharding_spec_op, register_sharded_op_on_local_tensor
+from shardwise._tensor.custom_ops import custom_sharding_spec_op, register_sharded_op_on_local_tensor
 from shardwise.sharded_tensor import ShardedTensor
 from shardwise.sharding_spec import ChunkShardingSpec
 from shardwise.sharding_spec._internals import get_chunk_sharding_params, get_chunked_dim_size, get_split_size

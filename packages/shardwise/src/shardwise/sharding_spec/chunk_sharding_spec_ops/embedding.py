@@ -8,7 +8,7 @@ module without that distribution raises ModuleNotFoundError saying to
 
 from __future__ import annotations
 
-from shardwise._custom_ops import custom_sharding_spec_op
+from shardwise._tensor.custom_ops import custom_sharding_spec_op
 from shardwise.sharded_tensor import ShardedTensor
 from shardwise.sharding_spec import ChunkShardingSpec
 from shardwise.sharding_spec.chunk_sharding_spec_ops._plugin import load

@@ -1,0 +1,382 @@
+"""Autograd-aware collectives over any shardwise :class:`~shardwise.Group`.
+
+Same names and signatures as ``torch.distributed.nn.functional``, except that
+``group`` is a shardwise Group, a torch ``ProcessGroup`` or None (the default
+group); dim 0 may differ between ranks (all_gather's tensors, reduce_scatter's
+chunks, all_to_all's splits); and all_reduce differentiates max, min and
+product (torch all-reduces the gradient with the forward's op instead).
+
+Every backward pass is a collective: once one rank runs backward through a
+result, every rank must, in the same order, so an input must require grad on
+every rank or on none.
+
+Argument errors are found before any data moves. The rank at fault raises
+TypeError/ValueError and, through the group's handshake, makes its peers
+raise :class:`~shardwise.errors.PeerError` rather than wait for it (unless
+the group has ``verify=False``). Receive sizes that do not match what is
+sent raise :class:`~shardwise.errors.CollectiveMismatchError` on every rank.
+
+Example:
+    >>> import shardwise._comm.autograd as F
+    >>> pieces = F.all_gather(x)            # one tensor per rank
+    >>> total = F.all_reduce(x, op="sum")   # a new tensor; x is unchanged
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union, cast
+
+import torch
+from torch import Tensor
+from torch.autograd import Function
+from torch.distributed import ReduceOp
+
+from shardwise._comm import buffers as _memory
+
+from shardwise._vocab import wire as _wire
+from shardwise._comm.group import Group
+from shardwise._comm.default_group import resolve_group
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+__all__ = ["all_gather", "all_reduce", "all_to_all", "all_to_all_single", "reduce_scatter"]
+
+GroupLike = Union[Group, "ProcessGroup", None]
+Grads = tuple[Optional[Tensor], ...]
+Splits = tuple[list[int], list[int]]  # rows received from, and sent to, each rank
+
+
+# -- autograd functions ------------------------------------------------------
+# Backward passes call these functions rather than the bare collectives, so
+# that double backward (create_graph=True) is tracked too. Caller-supplied
+# output tensors travel in a list: autograd then does not take them for
+# inputs, and returns the caller's own tensor.
+
+
+class _AllGather(Function):
+    @staticmethod
+    def forward(ctx: Any, group: Group, tensor: Tensor) -> tuple[Tensor, ...]:
+        ctx.group = group
+        pieces = group.all_gather(tensor)
+        if ctx.needs_input_grad[1]:
+            # Autograd forbids in-place changes to views of one buffer.
+            pieces = [p.clone() for p in pieces]
+        return tuple(pieces)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> Grads:
+        group: Group = ctx.group
+        # Rank r's tensor fills slot r everywhere: it sums that slot's grads.
+        out = _memory.empty_like(grads[group.rank])
+        return None, _ReduceScatter.apply(group, [out], "sum", *grads)
+
+
+class _ReduceScatter(Function):
+    @staticmethod
+    def forward(ctx: Any, group: Group, box: list[Tensor], op: str, *inputs: Tensor) -> Tensor:
+        ctx.group, ctx.op = group, op
+        return group.reduce_scatter(list(inputs), op, out=box[0])
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Grads:
+        group: Group = ctx.group
+        # Chunk r of every input reaches only rank r's output.
+        grads = _AllGather.apply(group, grad)
+        if ctx.op == "avg":
+            grads = tuple(g / group.size for g in grads)
+        return (None, None, None, *grads)
+
+
+class _AllToAll(Function):
+    @staticmethod
+    def forward(ctx: Any, group: Group, outputs: list[Tensor], rows: Splits, *inputs: Tensor) -> tuple[Tensor, ...]:
+        ctx.group, ctx.rows, ctx.in_shapes = group, rows, [t.shape for t in inputs]
+        # One all_to_all_single, unlike Group.all_to_all, makes the group
+        # check on every rank that each rank is sent the rows it expects.
+        received = group.all_to_all_single(torch.cat([_as_rows(t) for t in inputs]), *rows)
+        for out, piece in zip(outputs, received.split(rows[0]), strict=True):
+            out.copy_(piece.reshape(out.shape))
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> Grads:
+        # Gradients retrace the data's route back to the senders.
+        back = [_memory.empty_like(grads[0], shape) for shape in ctx.in_shapes]
+        return (None, None, None, *_AllToAll.apply(ctx.group, back, ctx.rows[::-1], *grads))
+
+
+class _AllToAllSingle(Function):
+    @staticmethod
+    def forward(ctx: Any, group: Group, box: list[Tensor], rows: Splits, tensor: Tensor) -> Tensor:
+        ctx.group, ctx.rows, ctx.in_shape = group, rows, tensor.shape
+        return group.all_to_all_single(tensor, *rows, out=box[0])
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Grads:
+        back = _memory.empty_like(grad, ctx.in_shape)
+        return None, None, None, _AllToAllSingle.apply(ctx.group, [back], ctx.rows[::-1], grad)
+
+
+class _AllReduce(Function):
+    @staticmethod
+    def forward(ctx: Any, group: Group, op: Any, tensor: Tensor) -> Tensor:
+        # A non-tensor goes to the group as is, which rejects it on every rank.
+        buf = tensor.detach().clone(memory_format=torch.contiguous_format) if torch.is_tensor(tensor) else tensor
+        result = group.all_reduce(buf, op)
+        ctx.group, ctx.op = group, _wire.normalize_reduce_op(op)
+        if ctx.needs_input_grad[2] and ctx.op in ("max", "min"):
+            ctx.save_for_backward(tensor.detach() == result)
+        elif ctx.needs_input_grad[2] and ctx.op == "product":
+            ctx.save_for_backward(tensor)
+        return result
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Grads:
+        group: Group = ctx.group
+        op: str = ctx.op
+        # Every rank's loss reads the same result y, so dL/dx_r is dy/dx_r
+        # times the sum of all ranks' gradients.
+        if op == "avg":
+            return None, None, _AllReduce.apply(group, "avg", grad)
+        total = _AllReduce.apply(group, "sum", grad)
+        if op == "sum":
+            return None, None, total
+        (saved,) = ctx.saved_tensors
+        if op in ("max", "min"):
+            hit = saved.to(grad.dtype)
+            # Tied ranks share the gradient, as with torch.amax. Where no
+            # rank matches (NaN) the clamp makes the gradient zero, not NaN.
+            count = group.all_reduce(hit.clone(), "sum").clamp_(min=1)
+            return None, None, total * hit / count
+        # product: dy/dx_r is the product of the other ranks' values. y / x_r
+        # fails where x_r == 0, so build it from the product of the nonzero
+        # values and the count of zeros. zero_sum is 0 but carries the zero
+        # entries' derivative, which keeps second derivatives exact.
+        zero = saved == 0
+        zeros = group.all_reduce(zero.to(saved.dtype), "sum")
+        nonzero = torch.where(zero, torch.ones_like(saved), saved)
+        nonzero_prod = _AllReduce.apply(group, "product", nonzero)
+        zero_sum = _AllReduce.apply(group, "sum", torch.where(zero, saved, torch.zeros_like(saved)))
+        when_zero = (zeros == 1) + (zero_sum - saved) * (zeros == 2)
+        when_nonzero = ((zeros == 0) + zero_sum * (zeros == 1)) / nonzero
+        return None, None, total * nonzero_prod * torch.where(zero, when_zero, when_nonzero)
+
+
+# -- public API ----------------------------------------------------------------
+
+
+def all_gather(tensor: Tensor, group: GroupLike = None) -> tuple[Tensor, ...]:
+    """Gather every rank's ``tensor`` on every rank.
+
+    Args:
+        tensor: This rank's tensor; dim 0 may differ between ranks, dtype
+            and the other dims must agree.
+        group: The group to work on (None: the default group).
+
+    Returns:
+        One tensor per rank, in rank order. The gradient of a rank's
+        ``tensor`` is the sum over all ranks of the gradients of its slot.
+
+    Raises:
+        TypeError: ``group`` is not a group, or ``tensor`` is not a tensor.
+    """
+    return cast(tuple[Tensor, ...], _AllGather.apply(resolve_group(group), tensor))
+
+
+def all_reduce(tensor: Tensor, op: Any = ReduceOp.SUM, group: GroupLike = None) -> Tensor:
+    """Reduce ``tensor`` across ranks into a new tensor (``tensor`` is unchanged).
+
+    With ``G`` the sum of every rank's result gradient and ``W`` ranks, the
+    gradient of ``tensor`` is: sum: ``G``; avg: ``G / W``; max/min: ``G``
+    split evenly between the ranks holding the result, 0 elsewhere;
+    product: ``G`` times the other ranks' product (exact at zeros).
+
+    Args:
+        tensor: Same dtype and shape on every rank.
+        op: ``ReduceOp.SUM``/``AVG``/``MAX``/``MIN``/``PRODUCT``, or its name.
+        group: The group to work on (None: the default group).
+
+    Returns:
+        The reduction, the same on every rank.
+
+    Raises:
+        TypeError: ``group`` is not a group, or ``op`` is undefined for the
+            dtype (avg of integers).
+        ValueError: ``op`` is not a known reduction.
+    """
+    return cast(Tensor, _AllReduce.apply(resolve_group(group), op, tensor))
+
+
+def reduce_scatter(
+    output: Tensor, input_list: Sequence[Tensor], op: Any = ReduceOp.SUM, group: GroupLike = None
+) -> Tensor:
+    """Reduce ``input_list[r]`` across ranks into rank r's ``output``.
+
+    Args:
+        output: Receives the result: dtype and shape of ``input_list[rank]``;
+            must not require grad.
+        input_list: One tensor per rank; ``input_list[r]`` has the same shape
+            on every rank, but dim 0 may differ between r's.
+        op: As for :func:`all_reduce`; only sum and avg are differentiable.
+        group: The group to work on (None: the default group).
+
+    Returns:
+        ``output``, filled. The gradient of ``input_list[r]`` is rank r's
+        output gradient (divided by the group size for avg).
+
+    Raises:
+        TypeError: an argument is not a tensor (list), or dtypes differ.
+        ValueError: ``input_list`` does not hold one tensor per rank,
+            ``output`` has the wrong shape, or an input requires grad with
+            an op other than sum and avg.
+    """
+    grp = resolve_group(group)
+    try:
+        inputs = _tensor_list(input_list, grp.size, "input_list")
+        _check_output(output, inputs[grp.rank], "output", same_shape=True)
+        name = _wire.normalize_reduce_op(op)
+        if name not in ("sum", "avg") and torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+            raise ValueError(f"reduce_scatter with op {name!r} has no gradient; use sum or avg, or detach the inputs")
+    except (TypeError, ValueError) as exc:
+        grp.reject(exc)
+    return cast(Tensor, _ReduceScatter.apply(grp, [output], name, *inputs))
+
+
+def all_to_all(
+    output_tensor_list: Sequence[Tensor], input_tensor_list: Sequence[Tensor], group: GroupLike = None
+) -> tuple[Tensor, ...]:
+    """Send ``input_tensor_list[r]`` to rank r and receive into ``output_tensor_list``.
+
+    Args:
+        output_tensor_list: One tensor per rank, shaped like what that rank
+            sends here; filled in place; must not require grad.
+        input_tensor_list: One tensor per rank. Dim 0 may differ; dtype and
+            the other dims agree between tensors, outputs, and ranks.
+        group: The group to work on (None: the default group).
+
+    Returns:
+        ``output_tensor_list`` as a tuple, filled. Gradients go back along
+        the routes the data came.
+
+    Raises:
+        TypeError: an argument is not a list of tensors, or dtypes differ.
+        ValueError: a list does not hold one tensor per rank, or shapes
+            differ beyond dim 0.
+        CollectiveMismatchError: (every rank) outputs do not fit what is sent.
+    """
+    grp = resolve_group(group)
+    try:
+        inputs = _tensor_list(input_tensor_list, grp.size, "input_tensor_list")
+        outputs = _tensor_list(output_tensor_list, grp.size, "output_tensor_list")
+        for i, out in enumerate(outputs):
+            _check_output(out, inputs[0], f"output_tensor_list[{i}]")
+    except (TypeError, ValueError) as exc:
+        grp.reject(exc)
+    rows = [_rows(t) for t in outputs], [_rows(t) for t in inputs]
+    return cast(tuple[Tensor, ...], _AllToAll.apply(grp, outputs, rows, *inputs))
+
+
+def all_to_all_single(
+    output: Tensor,
+    input: Tensor,
+    output_split_sizes: Optional[Sequence[int]] = None,
+    input_split_sizes: Optional[Sequence[int]] = None,
+    group: GroupLike = None,
+) -> Tensor:
+    """Split ``input`` along dim 0, send piece r to rank r, and concatenate what arrives into ``output``.
+
+    Args:
+        output: Receives ``sum(output_split_sizes)`` rows; dtype and other
+            dims as ``input``; must not require grad.
+        input: At least 1-D; dtype and other dims agree on all ranks.
+        output_split_sizes: Rows to receive from each rank; None or empty:
+            ``output``'s dim 0 split evenly (it must divide by the group size).
+        input_split_sizes: Rows to send to each rank; None or empty:
+            ``input``'s dim 0 split evenly.
+        group: The group to work on (None: the default group).
+
+    Returns:
+        ``output``, filled. The gradient of ``input`` is the output's
+        gradient sent back with the splits swapped.
+
+    Raises:
+        TypeError: an argument is not a tensor, or the dtypes differ.
+        ValueError: bad split sizes, or shapes that do not fit them.
+        CollectiveMismatchError: (every rank) splits do not fit what is sent.
+    """
+    grp = resolve_group(group)
+    try:
+        _check_tensor(input, "input")
+        if input.dim() == 0:
+            raise ValueError("all_to_all_single needs an input with at least one dimension")
+        _check_output(output, input, "output")
+        in_rows = _split_sizes(input_split_sizes, input.shape[0], grp.size, "input_split_sizes")
+        out_rows = _split_sizes(output_split_sizes, output.shape[0], grp.size, "output_split_sizes")
+    except (TypeError, ValueError) as exc:
+        grp.reject(exc)
+    return cast(Tensor, _AllToAllSingle.apply(grp, [output], (out_rows, in_rows), input))
+
+
+# -- helpers -------------------------------------------------------------------
+
+
+def _rows(tensor: Tensor) -> int:
+    return tensor.shape[0] if tensor.dim() else 1
+
+
+def _as_rows(tensor: Tensor) -> Tensor:
+    return tensor.reshape(1) if tensor.dim() == 0 else tensor
+
+
+def _check_tensor(value: Any, name: str) -> None:
+    if not torch.is_tensor(value):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+
+
+def _tensor_list(value: Any, size: int, name: str) -> list[Tensor]:
+    """``value`` as one tensor per rank, sharing a dtype and the dims after dim 0."""
+    if torch.is_tensor(value) or not isinstance(value, Sequence):
+        raise TypeError(f"{name} must be a list of {size} tensors, got {type(value).__name__}")
+    if len(value) != size:
+        raise ValueError(f"{name} must hold one tensor per rank ({size}), got {len(value)}")
+    tensors = list(value)
+    for i, t in enumerate(tensors):
+        _check_tensor(t, f"{name}[{i}]")
+        if t.dtype != tensors[0].dtype:
+            raise TypeError(f"{name}[{i}] is {t.dtype} but {name}[0] is {tensors[0].dtype}; all must share one dtype")
+        if t.dim() != tensors[0].dim() or t.shape[1:] != tensors[0].shape[1:]:
+            shapes = f"{name}[{i}] has shape {tuple(t.shape)} but {name}[0] has {tuple(tensors[0].shape)}"
+            raise ValueError(f"{shapes}; only dim 0 may differ")
+    return tensors
+
+
+def _check_output(output: Any, like: Tensor, name: str, *, same_shape: bool = False) -> None:
+    """Check that ``output`` can receive data like ``like`` (with any dim 0 unless ``same_shape``)."""
+    _check_tensor(output, name)
+    if output.dtype != like.dtype:
+        raise TypeError(f"{name} is {output.dtype} but the input is {like.dtype}; they must match")
+    if same_shape and output.shape != like.shape:
+        raise ValueError(f"{name} has shape {tuple(output.shape)}, but this rank's result has {tuple(like.shape)}")
+    if output.dim() != like.dim() or output.shape[1:] != like.shape[1:]:
+        shapes = f"{name} has shape {tuple(output.shape)} but the input has {tuple(like.shape)}"
+        raise ValueError(f"{shapes}; only dim 0 may differ")
+    if output.requires_grad and torch.is_grad_enabled():
+        raise ValueError(f"{name} requires grad; pass a fresh tensor (torch.empty) to receive into")
+
+
+def _split_sizes(splits: Optional[Sequence[int]], rows: int, size: int, name: str) -> list[int]:
+    if splits is None or (isinstance(splits, Sequence) and len(splits) == 0):
+        if rows % size:
+            raise ValueError(f"{name} not given and dim 0 ({rows}) does not divide by the group size ({size})")
+        return [rows // size] * size
+    try:
+        values = [operator.index(v) for v in splits]
+    except TypeError:
+        raise TypeError(f"{name} must be a list of ints, got {splits!r}") from None
+    if len(values) != size or min(values) < 0:
+        raise ValueError(f"{name} must be {size} non-negative ints, got {values}")
+    if sum(values) != rows:
+        raise ValueError(f"{name} {values} sum to {sum(values)}, but dim 0 has {rows} rows")
+    return values

@@ -1,0 +1,293 @@
+"""A :class:`~shardwise.Group` over a ``torch.distributed`` process group.
+
+Backends built on torch's own process groups (gloo, nccl, or any backend a
+user initialised with ``torch.distributed``) share this adapter; the gloo and
+nccl plugins only choose the torch backend name and the device.
+
+Primitives with uneven sizes are built from what every torch backend
+implements correctly: uneven all-gathers and reduce-scatters pad to the
+largest chunk, and gather/scatter run as an all-to-all with one receiver or
+one sender (gloo's own uneven ``scatter`` raises on one rank and hangs the
+others).
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import os
+import weakref
+from datetime import timedelta
+from typing import Any, Callable, MutableMapping, Optional, Sequence, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from shardwise._comm import buffers as _memory
+from shardwise._comm.group import Group
+from shardwise._vocab.launch import LaunchInfo
+from shardwise.errors import LaunchError, PeerLostError, ShardwiseError
+
+__all__ = ["TorchGroup", "init_torch_process_group", "wrap_process_group"]
+
+_REDUCE = {
+    "sum": dist.ReduceOp.SUM,
+    "min": dist.ReduceOp.MIN,
+    "max": dist.ReduceOp.MAX,
+    "product": dist.ReduceOp.PRODUCT,
+}
+
+
+# torch backends reduce none of these natively; modular arithmetic makes the
+# wider sum/product wrap exactly as the narrow one would.
+_UPCAST = {torch.int16: torch.int32, torch.uint16: torch.int32, torch.uint32: torch.int64}
+
+
+def _device_types(backend: str) -> tuple[str, ...]:
+    """Device types a torch backend string (``"cpu:gloo,cuda:nccl"``) moves natively."""
+    if ":" in backend:
+        return tuple(part.split(":", 1)[0] for part in backend.split(","))
+    return {"gloo": ("cpu",), "nccl": ("cuda",)}.get(backend, ("cpu",))
+
+
+_Primitive = TypeVar("_Primitive", bound=Callable[..., Any])
+
+
+def _peer_failures(name: str) -> Callable[[_Primitive], _Primitive]:
+    """Turn the backend's error inside a primitive into :class:`PeerLostError`.
+
+    Arguments were validated (on every rank) before a primitive runs, so a
+    ``RuntimeError`` from torch here is the transport failing: gloo's
+    "Connection closed by peer" or "Timed out waiting ...", NCCL's watchdog.
+    The message says which rank, which collective, and what to look at.
+    """
+
+    def wrap(primitive: _Primitive) -> _Primitive:
+        @functools.wraps(primitive)
+        def run(self: TorchGroup, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return primitive(self, *args, **kwargs)
+            except RuntimeError as exc:
+                # Local failures keep their own type: out of memory (callers catch it to retry
+                # smaller), an unsupported operation, shardwise's own errors.
+                if isinstance(exc, (ShardwiseError, torch.OutOfMemoryError, NotImplementedError)):
+                    raise
+                detail = " ".join(str(exc).split())
+                raise PeerLostError(
+                    f"rank {self.rank} of {self.size}: {self._describe(name)} on the {self.backend} backend "
+                    f"failed: {detail}. "
+                    "A peer has probably died, stopped calling collectives, or not answered within the "
+                    "group's timeout (shardwise.init(timeout=...), SHARDWISE_TIMEOUT); see the other "
+                    "ranks' logs. The group cannot be used any more: end the job and resume from a checkpoint."
+                ) from exc
+
+        return run  # type: ignore[return-value]
+
+    return wrap
+
+
+class TorchGroup(Group):
+    """Adapter from a ``torch.distributed.ProcessGroup`` to :class:`~shardwise.Group`.
+
+    Args:
+        pg: The torch process group.
+        device: Device collectives run on (default: the current CUDA device
+            for nccl-only groups, else CPU).
+        owns: ``"default"`` if destroying this group must also destroy
+            torch's default process group (it was made by
+            :func:`init_torch_process_group`), ``"group"`` if it must
+            destroy ``pg``, None to leave ``pg`` alone (a user's group).
+        verify: See :class:`~shardwise.Group`.
+    """
+
+    def __init__(
+        self,
+        pg: dist.ProcessGroup,
+        *,
+        device: Optional[torch.device] = None,
+        owns: Optional[str] = None,
+        verify: Optional[bool] = None,
+    ) -> None:
+        backend = str(dist.get_backend(pg))
+        devices = _device_types(backend)
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if devices == ("cuda",) else torch.device("cpu")
+        super().__init__(
+            backend=backend,
+            rank=dist.get_rank(pg),
+            size=dist.get_world_size(pg),
+            device=device,
+            devices=devices,
+            verify=verify,
+            # Placements name global ranks; the world group needs no translation table.
+            ranks=None if pg is dist.group.WORLD else dist.get_process_group_ranks(pg),
+        )
+        self.pg = pg
+        self._owns = owns
+
+    def _reduction_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        if dtype == torch.uint64:
+            raise TypeError(f"backend {self.backend!r} cannot reduce uint64 tensors; cast to int64 first")
+        return _UPCAST.get(dtype, dtype)
+
+    @_peer_failures("barrier")
+    def _barrier(self) -> None:
+        if self._device.type == "cuda":
+            dist.barrier(group=self.pg, device_ids=[self._device.index or 0])
+        else:
+            dist.barrier(group=self.pg)
+
+    @_peer_failures("broadcast")
+    def _broadcast(self, buf: torch.Tensor, src: int) -> None:
+        dist.broadcast(buf, group=self.pg, group_src=src)
+
+    @_peer_failures("all_reduce")
+    def _all_reduce(self, buf: torch.Tensor, op: str) -> None:
+        dist.all_reduce(buf, op=_REDUCE[op], group=self.pg)
+
+    @_peer_failures("all_gather")
+    def _all_gather(self, out: torch.Tensor, inp: torch.Tensor, counts: Sequence[int]) -> None:
+        most = max(counts)
+        if all(c == most for c in counts):
+            dist.all_gather_single(out, inp, group=self.pg)
+            return
+        padded_in = inp.new_zeros(most)
+        padded_in[: inp.numel()] = inp
+        padded_out = _memory.empty_like(inp, (most * self.size,))
+        dist.all_gather_single(padded_out, padded_in, group=self.pg)
+        torch.cat([padded_out[r * most : r * most + c] for r, c in enumerate(counts)], out=out)
+
+    @_peer_failures("reduce_scatter")
+    def _reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, counts: Sequence[int], op: str) -> None:
+        most = max(counts)
+        if all(c == most for c in counts):
+            dist.reduce_scatter_single(out, inp, op=_REDUCE[op], group=self.pg)
+            return
+        padded = inp.new_zeros(most * self.size)
+        offset = 0
+        for r, c in enumerate(counts):
+            padded[r * most : r * most + c] = inp[offset : offset + c]
+            offset += c
+        chunk = inp.new_empty(most)
+        dist.reduce_scatter_single(chunk, padded, op=_REDUCE[op], group=self.pg)
+        out.copy_(chunk[: counts[self.rank]])
+
+    @_peer_failures("all_to_all")
+    def _all_to_all(
+        self, out: torch.Tensor, out_counts: Sequence[int], inp: torch.Tensor, in_counts: Sequence[int]
+    ) -> None:
+        dist.all_to_all_single(
+            out, inp, output_split_sizes=list(out_counts), input_split_sizes=list(in_counts), group=self.pg
+        )
+
+    @_peer_failures("new_group")
+    def _new_group(self, ranks: Sequence[int]) -> Optional[Group]:
+        if self.rank not in ranks:
+            return None
+        global_ranks = [dist.get_global_rank(self.pg, r) for r in ranks]
+        sub = dist.new_group(global_ranks, backend=self.backend, use_local_synchronization=True)
+        return TorchGroup(sub, device=self._device, owns="group", verify=self.verify)
+
+    def destroy(self) -> None:
+        # A gloo process group freed by the garbage collector during
+        # interpreter exit aborts the process ("terminate called without an
+        # active exception"); collect stray cycles while torch is whole.
+        gc.collect()
+        if self._owns is not None:
+            # Tearing gloo down while a peer still finishes its last
+            # collective aborts that peer's process at exit; wait for all.
+            self._barrier()
+        if self._owns == "default" and dist.is_initialized():
+            dist.destroy_process_group()
+        elif self._owns == "group":
+            dist.destroy_process_group(self.pg)
+        self._owns = None
+
+
+def init_torch_process_group(
+    backend: str,
+    launch: LaunchInfo,
+    timeout: timedelta,
+    *,
+    device: Optional[torch.device] = None,
+) -> TorchGroup:
+    """Rendezvous and make a torch process group for ``launch``.
+
+    If ``torch.distributed`` is not initialised yet, this initialises its
+    default process group (so torch-native code — DTensor, distributed
+    checkpoint — runs too) with a ``TCPStore`` at the launch's
+    ``master_addr:master_port``. Under torchrun's agent store
+    (``TORCHELASTIC_USE_AGENT_STORE=True``) every rank connects as a client.
+    If torch is already initialised with the same world, the group reuses
+    it (or makes a new group of ``backend`` over it).
+
+    Args:
+        backend: torch backend name (``"gloo"``, ``"nccl"``).
+        launch: What the launcher said about this job.
+        timeout: Rendezvous and collective timeout.
+        device: Device to bind (``cuda:<local rank>`` for nccl).
+
+    Raises:
+        LaunchError: no rendezvous address is known for a multi-rank job,
+            or the rendezvous fails.
+    """
+    if dist.is_initialized():
+        if dist.get_world_size() != launch.world_size or dist.get_rank() != launch.rank:
+            raise LaunchError(
+                f"torch.distributed is already initialised as rank {dist.get_rank()} of "
+                f"{dist.get_world_size()}, but the launcher says rank {launch.rank} of {launch.world_size}"
+            )
+        world = dist.group.WORLD
+        assert world is not None
+        if str(dist.get_backend(world)) == backend:
+            return TorchGroup(world, device=device)
+        return TorchGroup(dist.new_group(backend=backend, timeout=timeout), device=device, owns="group")
+    if launch.world_size == 1 and (launch.master_addr is None or launch.master_port is None):
+        store: dist.Store = dist.HashStore()
+    else:
+        if launch.master_addr is None or launch.master_port is None:
+            given = (("MASTER_ADDR", launch.master_addr), ("MASTER_PORT", launch.master_port))
+            missing = [name for name, value in given if value is None]
+            raise LaunchError(
+                f"backend {backend!r} needs a rendezvous address, but the {launch.launcher} launch "
+                f"does not provide {' and '.join(missing)}: {launch.rendezvous_hint}"
+            )
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        try:
+            store = dist.TCPStore(
+                launch.master_addr,
+                launch.master_port,
+                launch.world_size,
+                is_master=launch.rank == 0 and not agent_store,
+                timeout=timeout,
+                multi_tenant=not agent_store,
+            )
+        except (RuntimeError, OSError) as exc:
+            raise LaunchError(
+                f"rank {launch.rank} could not rendezvous at {launch.master_addr}:{launch.master_port} "
+                f"within {timeout.total_seconds():g}s ({exc}). Check that MASTER_ADDR is reachable "
+                "from every rank, MASTER_PORT is free on it, and every rank was started."
+            ) from exc
+    kwargs: dict[str, Any] = {}
+    if device is not None and device.type == "cuda":
+        kwargs["device_id"] = device
+    dist.init_process_group(
+        backend, store=store, rank=launch.rank, world_size=launch.world_size, timeout=timeout, **kwargs
+    )
+    world = dist.group.WORLD
+    assert world is not None
+    return TorchGroup(world, device=device, owns="default")
+
+
+# Keyed by id: a live TorchGroup holds its process group, so the id cannot
+# be reused while the entry exists, and the entry dies with the wrapper.
+_wrapped: MutableMapping[int, TorchGroup] = weakref.WeakValueDictionary()
+
+
+def wrap_process_group(pg: dist.ProcessGroup) -> TorchGroup:
+    """The :class:`TorchGroup` over a user's torch process group (one per live group)."""
+    group = _wrapped.get(id(pg))
+    if group is None or group.pg is not pg:
+        group = TorchGroup(pg)
+        _wrapped[id(pg)] = group
+    return group

@@ -1,0 +1,207 @@
+"""Creation functions: ``empty``, ``zeros``, ``ones``, ``full``, ``rand``, ``randn``."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from shardwise._tensor.sharded_tensor import ShardedTensor
+from shardwise._tensor.specs import ShardingSpec
+
+__all__ = ["empty", "full", "ones", "rand", "randn", "zeros"]
+
+
+def empty(
+    sharding_spec: ShardingSpec,
+    *size: Any,
+    dtype: Optional[torch.dtype] = None,
+    layout: torch.layout = torch.strided,
+    requires_grad: bool = False,
+    pin_memory: bool = False,
+    memory_format: torch.memory_format = torch.contiguous_format,
+    process_group: Any = None,
+    init_rrefs: bool = False,
+) -> ShardedTensor:
+    """A ShardedTensor of ``size`` sharded by ``sharding_spec``, with uninitialised data.
+
+    No communication: every rank must pass the same spec and size.
+
+    Args:
+        sharding_spec: How to cut the tensor.
+        *size: Size of the whole tensor (ints, or one list/tuple/Size).
+        dtype: Element type (default ``torch.get_default_dtype()``).
+        layout: Only ``torch.strided``.
+        requires_grad: Whether local shards require grad.
+        pin_memory: Pin CPU shards.
+        memory_format: Only ``torch.contiguous_format``.
+        process_group: Group, torch ProcessGroup or None (default group).
+        init_rrefs: Must be False.
+
+    Raises:
+        TypeError: ``size`` is not a sequence of ints.
+        ValueError: ``size`` is negative, the spec cannot shard that size,
+            or it places a shard on a rank outside the group.
+    """
+    return ShardedTensor(
+        sharding_spec,
+        *size,
+        dtype=dtype,
+        layout=layout,
+        requires_grad=requires_grad,
+        pin_memory=pin_memory,
+        memory_format=memory_format,
+        process_group=process_group,
+        init_rrefs=init_rrefs,
+    )
+
+
+def _filled(st: ShardedTensor, fill: Any) -> ShardedTensor:
+    with torch.no_grad():
+        for shard in st.local_shards():
+            fill(shard.tensor)
+    return st
+
+
+def ones(
+    sharding_spec: ShardingSpec,
+    *size: Any,
+    dtype: Optional[torch.dtype] = None,
+    layout: torch.layout = torch.strided,
+    requires_grad: bool = False,
+    pin_memory: bool = False,
+    memory_format: torch.memory_format = torch.contiguous_format,
+    process_group: Any = None,
+    init_rrefs: bool = False,
+) -> ShardedTensor:
+    """Like :func:`empty`, filled with 1."""
+    kwargs: dict[str, Any] = dict(
+        dtype=dtype,
+        layout=layout,
+        requires_grad=requires_grad,
+        pin_memory=pin_memory,
+        memory_format=memory_format,
+        process_group=process_group,
+        init_rrefs=init_rrefs,
+    )
+    return _filled(empty(sharding_spec, *size, **kwargs), lambda t: t.fill_(1))
+
+
+def zeros(
+    sharding_spec: ShardingSpec,
+    *size: Any,
+    dtype: Optional[torch.dtype] = None,
+    layout: torch.layout = torch.strided,
+    requires_grad: bool = False,
+    pin_memory: bool = False,
+    memory_format: torch.memory_format = torch.contiguous_format,
+    process_group: Any = None,
+    init_rrefs: bool = False,
+) -> ShardedTensor:
+    """Like :func:`empty`, filled with 0."""
+    kwargs: dict[str, Any] = dict(
+        dtype=dtype,
+        layout=layout,
+        requires_grad=requires_grad,
+        pin_memory=pin_memory,
+        memory_format=memory_format,
+        process_group=process_group,
+        init_rrefs=init_rrefs,
+    )
+    return _filled(empty(sharding_spec, *size, **kwargs), lambda t: t.zero_())
+
+
+def full(
+    sharding_spec: ShardingSpec,
+    size: Any,
+    fill_value: Any,
+    *,
+    dtype: Optional[torch.dtype] = None,
+    layout: torch.layout = torch.strided,
+    requires_grad: bool = False,
+    pin_memory: bool = False,
+    memory_format: torch.memory_format = torch.contiguous_format,
+    process_group: Any = None,
+    init_rrefs: bool = False,
+) -> ShardedTensor:
+    """Like :func:`empty` with ``size`` a sequence, filled with ``fill_value``."""
+    kwargs: dict[str, Any] = dict(
+        dtype=dtype,
+        layout=layout,
+        requires_grad=requires_grad,
+        pin_memory=pin_memory,
+        memory_format=memory_format,
+        process_group=process_group,
+        init_rrefs=init_rrefs,
+    )
+    return _filled(empty(sharding_spec, *_as_sizes(size), **kwargs), lambda t: t.fill_(fill_value))
+
+
+def rand(
+    sharding_spec: ShardingSpec,
+    *size: Any,
+    dtype: Optional[torch.dtype] = None,
+    layout: torch.layout = torch.strided,
+    requires_grad: bool = False,
+    pin_memory: bool = False,
+    memory_format: torch.memory_format = torch.contiguous_format,
+    process_group: Any = None,
+    init_rrefs: bool = False,
+    generator: Optional[torch.Generator] = None,
+) -> ShardedTensor:
+    """Like :func:`empty`, filled with uniform numbers on ``[0, 1)``.
+
+    The values depend only on the seed of torch's default generator (on
+    every rank alike) and the global position of each element: the same
+    seed gives the same whole tensor whatever the world size and spec.
+    ``generator`` (the same seed on every rank) replaces the default one.
+    """
+    from shardwise._tensor.ops.random import fill_uniform
+
+    kwargs: dict[str, Any] = dict(
+        dtype=dtype,
+        layout=layout,
+        requires_grad=requires_grad,
+        pin_memory=pin_memory,
+        memory_format=memory_format,
+        process_group=process_group,
+        init_rrefs=init_rrefs,
+    )
+    st = empty(sharding_spec, *size, **kwargs)
+    fill_uniform(st, 0.0, 1.0, generator=generator)
+    return st
+
+
+def randn(
+    sharding_spec: ShardingSpec,
+    *size: Any,
+    dtype: Optional[torch.dtype] = None,
+    layout: torch.layout = torch.strided,
+    requires_grad: bool = False,
+    pin_memory: bool = False,
+    memory_format: torch.memory_format = torch.contiguous_format,
+    process_group: Any = None,
+    init_rrefs: bool = False,
+    generator: Optional[torch.Generator] = None,
+) -> ShardedTensor:
+    """Like :func:`empty`, filled with standard normal numbers (see :func:`rand` on seeds)."""
+    from shardwise._tensor.ops.random import fill_normal
+
+    kwargs: dict[str, Any] = dict(
+        dtype=dtype,
+        layout=layout,
+        requires_grad=requires_grad,
+        pin_memory=pin_memory,
+        memory_format=memory_format,
+        process_group=process_group,
+        init_rrefs=init_rrefs,
+    )
+    st = empty(sharding_spec, *size, **kwargs)
+    fill_normal(st, 0.0, 1.0, generator=generator)
+    return st
+
+
+def _as_sizes(size: Any) -> tuple[Any, ...]:
+    if isinstance(size, int):
+        return (size,)
+    return tuple(size)

@@ -1,0 +1,111 @@
+"""``ShardedTensor.reshard``: re-cut a tensor by another spec in place, in one exchange.
+
+The ranks agree on the spec and on the tensor they hold (a digest of its
+metadata, as :mod:`shardwise._tensor.scatter` does for the other verbs), then move
+each element once from its old owner to its new one
+(:func:`shardwise._layout.redistribute.redistribute`), in as many dim-0 slabs as keep
+every rank within twice its shard (:func:`shardwise._layout.plan.rounds_needed`).
+The result lists its shards by rank, as torch 2.13's ``reshard`` does.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from shardwise._layout.redistribute import match_sources, plan, redistribute
+from shardwise._vocab.metadata import ShardMetadata, ShardedTensorMetadata, TensorProperties
+from shardwise._layout.plan import MAX_ROUNDS, rounds_needed
+from shardwise._tensor.scatter import SAME_TENSOR, build_target, check_same, layout_digest
+from shardwise._vocab.shard import Shard
+
+if TYPE_CHECKING:
+    from shardwise._tensor.sharded_tensor import ShardedTensor
+    from shardwise._tensor.specs import ShardingSpec
+
+__all__ = ["reshard_in_place"]
+
+
+def reshard_in_place(st: ShardedTensor, spec: ShardingSpec) -> ShardedTensor:
+    """Re-cut ``st`` by ``spec`` in place and return it (any spec to any spec).
+
+    Every rank calls it with the same spec. New local shards are leaves
+    with the tensor's ``requires_grad``.
+
+    Raises:
+        TypeError: ``spec`` is not a ShardingSpec (on that rank; peers raise
+            :class:`~shardwise.errors.PeerError`).
+        ValueError: ranks pass different specs, or the spec does not fit
+            the tensor's size or the group (on every rank).
+    """
+    from shardwise._tensor.specs import ShardingSpec
+
+    group = st._process_group
+    old = st._metadata
+    if not group.is_member:
+        # Outside the group: no data here, only the new global metadata (torch holds no shard there either).
+        if not isinstance(spec, ShardingSpec):
+            raise TypeError(f"reshard takes a ShardingSpec, got {type(spec).__name__}")
+        st._metadata = _in_rank_order(build_target(spec, old, group, "reshard"), old)
+        st._sharding_spec = spec
+        return st
+    try:
+        if not isinstance(spec, ShardingSpec):
+            raise TypeError(f"reshard takes a ShardingSpec, got {type(spec).__name__}")
+        mine: dict[str, Any] = {"spec": spec.to_dict(), "layout": layout_digest(old)}
+        target = _in_rank_order(build_target(spec, old, group, "reshard"), old)
+        have = match_sources(st._local_shards, old, group.global_rank)
+        # Each rank's own need; the exchange below makes every rank use the largest.
+        pl = plan(old, target, group.rank, group.size, group.global_to_group())
+        mine["rounds"] = rounds_needed(pl, old, target)
+    except (TypeError, ValueError) as exc:
+        group.reject(exc, op="reshard")
+    entries = group.exchange(mine, op="reshard")
+    check_same([e["spec"] for e in entries], "resharding spec", "every rank must reshard to the same spec")
+    check_same([e["layout"] for e in entries], "tensor's layout (digest of its metadata)", SAME_TENSOR)
+    rounds = _agreed_rounds([e.get("rounds") for e in entries])
+    if target.shards_metadata == old.shards_metadata:
+        # Same boxes on the same ranks: nothing moves, the shard tensors stay.
+        shards = [
+            Shard(have[j] if j in have else _empty(e, target.tensor_properties), e)
+            for j, e in enumerate(target.shards_metadata)
+            if e.rank == group.global_rank
+        ]
+    else:
+        shards = redistribute(st._local_shards, old, target, group, trusted=True, rounds=rounds)
+    st._sharding_spec = spec
+    st._metadata = target
+    st._local_shards = shards
+    return st
+
+
+def _in_rank_order(target: ShardedTensorMetadata, old: ShardedTensorMetadata) -> ShardedTensorMetadata:
+    """``target`` with its shards listed by rank, as torch's ``reshard`` lists them, unless nothing changes.
+
+    torch keeps the metadata of a reshard to the same layout (it returns the
+    tensor as it is), and otherwise fills one entry per rank in rank order.
+    The sort is stable, so several shards of one rank keep the spec's order.
+    """
+    if target.shards_metadata == old.shards_metadata:
+        return target
+    shards = sorted(target.shards_metadata, key=lambda e: -1 if e.rank is None else e.rank)
+    return ShardedTensorMetadata(shards, target.size, target.tensor_properties)
+
+
+def _agreed_rounds(counts: list[Any]) -> int:
+    """The largest round count the ranks asked for (every rank sees the same list, so all agree or all raise)."""
+    for rank, count in enumerate(counts):
+        if type(count) is not int or not 1 <= count <= MAX_ROUNDS:
+            raise ValueError(
+                f"reshard: rank {rank} sent the round count {count!r}, not an int from 1 to {MAX_ROUNDS}; "
+                "every rank must run the same shardwise version"
+            )
+    return max(int(count) for count in counts)
+
+
+def _empty(entry: ShardMetadata, props: TensorProperties) -> torch.Tensor:
+    """A shard a rank may omit because it holds no element."""
+    assert entry.placement is not None
+    device = entry.placement.device()
+    return torch.empty(entry.shard_sizes, dtype=props.dtype, device=device, requires_grad=props.requires_grad)

@@ -1,0 +1,485 @@
+"""Checks that shards neither overlap nor leave gaps, in O(n log n) comparisons for n shards.
+
+``validate_non_overlapping`` looks only at the dimensions along which the
+shards actually differ (a dimension every shard spans in the same way
+cannot separate two of them):
+
+- none: two non-empty shards are the same box, so they overlap;
+- one: the shards are intervals; sorted by start, an overlap shows up
+  between neighbours;
+- two: a sweep along one of them keeps the shards that cross the sweep
+  line in a list sorted along the other; those are pairwise disjoint, so
+  a new shard need only be compared with its two neighbours there;
+- three or more: the shards' boundaries cut every dimension into
+  elementary intervals, and two shards overlap exactly when they claim the
+  same elementary cell. Grids and other layouts whose shards span few
+  cells are checked with one dict in time linear in the cells claimed;
+  layouts where that would cost more than a few cells per shard fall back
+  to a sweep that compares each shard with those crossing the sweep line
+  (torch 2.13's method for every multi-dimensional layout; quadratic only
+  when many shards cross it, which grid-like layouts never make).
+
+``check_covering`` then needs only the shards' volumes and bounds.
+Messages name the shards at fault, and also carry torch 2.13's wording
+("Shards ... overlap", "does not match tensor volume", ...), which code
+written for torch matches on.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import math
+from itertools import chain
+from operator import add, gt, itemgetter, le, mul, sub
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+if TYPE_CHECKING:
+    from shardwise._vocab.metadata import ShardMetadata
+
+__all__ = ["check_covering", "find_overlap", "validate_layout", "validate_non_overlapping"]
+
+#: Shards listed at most in a covering error (a message must stay readable with 10^5 shards).
+_LISTED = 8
+
+#: Up to this many shards, a layout cut along several dims is checked by the plain sweep.
+_FEW = 16
+
+#: The cell check runs while the cells claimed stay within this many per shard (plus a constant).
+_CELLS_PER_SHARD = 8
+
+
+def _describe(shards: Sequence[ShardMetadata]) -> str:
+    shown = "; ".join(s.describe() for s in shards[:_LISTED])
+    more = len(shards) - _LISTED
+    return shown + (f"; ... and {more} more" if more > 0 else "")
+
+
+def _check_dims(shards: Sequence[ShardMetadata]) -> int:
+    ndim = len(shards[0].shard_offsets)
+    for i, shard in enumerate(shards):
+        if len(shard.shard_offsets) != ndim:
+            raise ValueError(
+                f"shards 0 ({shards[0].describe()}) and {i} ({shard.describe()}) have different numbers "
+                f"of dimensions (Found inconsistent ranks for shards: {ndim} and {len(shard.shard_offsets)})"
+            )
+    return ndim
+
+
+def _overlaps(a: ShardMetadata, b: ShardMetadata, dims: Sequence[int]) -> bool:
+    ao, asz, bo, bsz = a.shard_offsets, a.shard_sizes, b.shard_offsets, b.shard_sizes
+    for d in dims:
+        if ao[d] >= bo[d] + bsz[d] or bo[d] >= ao[d] + asz[d]:
+            return False
+    return True
+
+
+def _one_dim(starts: Sequence[int], lengths: Sequence[int]) -> Optional[tuple[int, int]]:
+    """Local indices of two overlapping intervals, or None (maps and sorts in C: this is the common case)."""
+    ends = list(map(add, starts, lengths))
+    order: Optional[list[int]] = None
+    if not all(map(le, starts, starts[1:])):
+        order = sorted(range(len(starts)), key=starts.__getitem__)
+        starts = list(map(starts.__getitem__, order))
+        ends = list(map(ends.__getitem__, order))
+    # Sorted by start: if any interval overlaps a later one, it overlaps its successor.
+    hits = list(map(gt, ends, starts[1:]))
+    if True not in hits:
+        return None
+    k = hits.index(True)
+    return (k, k + 1) if order is None else (order[k], order[k + 1])
+
+
+def _two_dims(shards: Sequence[ShardMetadata], idx: Sequence[int], a: int, b: int) -> Optional[tuple[int, int]]:
+    """Sweep along ``a``; the shards crossing the sweep line are disjoint along ``b``."""
+    order = sorted(idx, key=lambda i: shards[i].shard_offsets[a])
+    expiry: list[tuple[int, int]] = []  # (end along a, shard)
+    active: list[tuple[int, int, int]] = []  # (start along b, end along b, shard), sorted
+    for i in order:
+        shard = shards[i]
+        start = shard.shard_offsets[a]
+        while expiry and expiry[0][0] <= start:
+            _, j = heapq.heappop(expiry)
+            other = shards[j]
+            key = (other.shard_offsets[b], other.shard_offsets[b] + other.shard_sizes[b], j)
+            del active[bisect.bisect_left(active, key)]
+        lo = shard.shard_offsets[b]
+        item = (lo, lo + shard.shard_sizes[b], i)
+        pos = bisect.bisect_left(active, item)
+        if pos > 0 and active[pos - 1][1] > lo:
+            return active[pos - 1][2], i
+        if pos < len(active) and active[pos][0] < item[1]:
+            return active[pos][2], i
+        active.insert(pos, item)
+        heapq.heappush(expiry, (start + shard.shard_sizes[a], i))
+    return None
+
+
+def _cells(shards: Sequence[ShardMetadata], idx: Sequence[int], dims: Sequence[int]) -> Optional[tuple[int, int]]:
+    """Claim elementary cells in a dict; None means no overlap. Raises OverflowError past the budget."""
+    cuts: list[list[int]] = []
+    for d in dims:
+        bounds = {shards[i].shard_offsets[d] for i in idx}
+        bounds.update(shards[i].shard_offsets[d] + shards[i].shard_sizes[d] for i in idx)
+        cuts.append(sorted(bounds))
+    ranges = []
+    total = 0
+    budget = _CELLS_PER_SHARD * len(idx) + 1024
+    for i in idx:
+        md = shards[i]
+        spans = []
+        count = 1
+        for d, points in zip(dims, cuts, strict=True):
+            lo = bisect.bisect_left(points, md.shard_offsets[d])
+            hi = bisect.bisect_left(points, md.shard_offsets[d] + md.shard_sizes[d], lo, len(points))
+            spans.append(range(lo, hi))
+            count *= hi - lo
+        total += count
+        if total > budget:
+            raise OverflowError
+        ranges.append(spans)
+    owner: dict[tuple[int, ...], int] = {}
+    for i, spans in zip(idx, ranges, strict=True):
+        for cell in _product(spans):
+            j = owner.setdefault(cell, i)
+            if j != i:
+                return j, i
+    return None
+
+
+def _product(spans: Sequence[range]) -> list[tuple[int, ...]]:
+    cells: list[tuple[int, ...]] = [()]
+    for span in spans:
+        cells = [c + (k,) for c in cells for k in span]
+    return cells
+
+
+def _sweep(
+    shards: Sequence[ShardMetadata], idx: Sequence[int], dims: Sequence[int], a: int
+) -> Optional[tuple[int, int]]:
+    """Sweep along ``a``, comparing each shard with every shard crossing the sweep line."""
+    order = sorted(idx, key=lambda i: shards[i].shard_offsets[a])
+    expiry: list[tuple[int, int]] = []
+    active: set[int] = set()
+    for i in order:
+        start = shards[i].shard_offsets[a]
+        while expiry and expiry[0][0] <= start:
+            active.discard(heapq.heappop(expiry)[1])
+        for j in active:
+            if _overlaps(shards[i], shards[j], dims):
+                return j, i
+        active.add(i)
+        heapq.heappush(expiry, (start + shards[i].shard_sizes[a], i))
+    return None
+
+
+class _Columns:
+    """The shards' offsets and sizes, one tuple per dimension (built once, read by both checks)."""
+
+    def __init__(self, shards: Sequence[ShardMetadata]) -> None:
+        self.ndim = len(shards[0].shard_offsets) if shards else 0
+        offsets = [s.shard_offsets for s in shards]
+        self.uniform = len(set(map(len, offsets))) <= 1
+        if self.uniform:
+            # zip(*rows) transposes in C; every row has ndim entries here, so nothing is cut short.
+            self.starts: Sequence[Sequence[int]] = list(zip(*offsets, strict=True)) if self.ndim else []
+            self.sizes: Sequence[Sequence[int]] = (
+                list(zip(*[s.shard_sizes for s in shards], strict=True)) if self.ndim else []
+            )
+
+
+def find_overlap(shards: Sequence[ShardMetadata], columns: Optional[_Columns] = None) -> Optional[tuple[int, int]]:
+    """The indices ``(i, j)``, ``i < j``, of two overlapping non-empty shards, or None.
+
+    Shards with no elements never overlap anything.
+
+    Raises:
+        ValueError: shards differ in their number of dimensions.
+    """
+    if not shards:
+        return None
+    if columns is None:
+        return _find_overlap_direct(shards)
+    cols = columns
+    if not cols.uniform:
+        _check_dims(shards)
+    ndim = cols.ndim
+    idx: Sequence[int] = range(len(shards))
+    sub: Sequence[ShardMetadata] = shards
+    starts_by_dim, sizes_by_dim = cols.starts, cols.sizes
+    if any(0 in column for column in sizes_by_dim):
+        idx = [i for i, s in enumerate(shards) if 0 not in s.shard_sizes]
+        sub = [shards[i] for i in idx]
+        starts_by_dim = [list(map(column.__getitem__, idx)) for column in cols.starts]
+        sizes_by_dim = [list(map(column.__getitem__, idx)) for column in cols.sizes]
+    if len(idx) < 2:
+        return None
+    # Only the dims along which shards differ can separate two of them.
+    sharded = [
+        d
+        for d in range(ndim)
+        if starts_by_dim[d].count(starts_by_dim[d][0]) != len(idx)
+        or sizes_by_dim[d].count(sizes_by_dim[d][0]) != len(idx)
+    ]
+    pair: Optional[tuple[int, int]]
+    if not sharded:
+        pair = 0, 1
+    elif len(sharded) == 1:
+        pair = _one_dim(starts_by_dim[sharded[0]], sizes_by_dim[sharded[0]])
+    else:
+        # Sweep along the dim with the most distinct starts: fewest shards cross the sweep line.
+        a = max(sharded, key=lambda d: len(set(starts_by_dim[d])))
+        local = range(len(sub))
+        if len(sub) <= _FEW:
+            # So few that the plain sweep's lower overhead wins.
+            pair = _sweep(sub, local, sharded, a)
+        elif len(sharded) == 2:
+            pair = _two_dims(sub, local, a, sharded[0] if a == sharded[1] else sharded[1])
+        else:
+            try:
+                pair = _cells(sub, local, sharded)
+            except OverflowError:
+                pair = _sweep(sub, local, sharded, a)
+    if pair is None:
+        return None
+    i, j = sorted((idx[pair[0]], idx[pair[1]]))
+    return i, j
+
+
+def _find_overlap_direct(shards: Sequence[ShardMetadata]) -> Optional[tuple[int, int]]:
+    """:func:`find_overlap` without prebuilt columns: few passes over the shards, each in C where it can be.
+
+    Its fixed cost is below torch 2.13's for a handful of shards, and it
+    stays O(n log n) (``benchmarks/validation.py`` measures both).
+
+    Among non-empty shards, a dim along which every shard starts at the same
+    offset cannot separate two of them (both contain that offset), whatever
+    their sizes there; so only the dims with differing starts are examined.
+    Shards cut along one dim are first accepted by a test that empty shards
+    cannot fool: no two starts closer than the longest shard.
+    """
+    n = len(shards)
+    if n < 2:
+        return None
+    offsets = [s.shard_offsets for s in shards]
+    lengths = [s.shard_sizes for s in shards]
+    try:
+        # Transposed in C; strict, so shards with different numbers of dims raise here.
+        starts_by_dim = list(zip(*offsets, strict=True))
+    except ValueError:
+        _check_dims(shards)
+        raise
+    sharded = [d for d, starts in enumerate(starts_by_dim) if starts.count(starts[0]) != n]
+    if len(sharded) == 1:
+        d = sharded[0]
+        longest = lengths[0][d] if lengths.count(lengths[0]) == n else max(map(itemgetter(d), lengths))
+        starts = sorted(starts_by_dim[d])
+        if min(map(sub, starts[1:], starts)) >= longest:
+            return None
+    return _find_overlap_exact(shards, lengths, starts_by_dim, sharded)
+
+
+def _find_overlap_exact(
+    shards: Sequence[ShardMetadata],
+    lengths: Sequence[Sequence[int]],
+    starts_by_dim: Sequence[Sequence[int]],
+    sharded: list[int],
+) -> Optional[tuple[int, int]]:
+    """The rest of :func:`_find_overlap_direct`, given the sizes, the starts by dim and the dims where starts differ."""
+    n = len(shards)
+    if 0 in chain.from_iterable(lengths):
+        # Empty shards hold nothing, so they overlap nothing: check the others.
+        idx = [i for i, size in enumerate(lengths) if 0 not in size]
+        pair = _find_overlap_direct([shards[i] for i in idx])
+        return None if pair is None else (idx[pair[0]], idx[pair[1]])
+    if not sharded:
+        return 0, 1
+    if len(sharded) > 1:
+        # As find_overlap; a dim where starts agree cannot separate non-empty shards, so it is left out.
+        a = max(sharded, key=lambda d: len(set(starts_by_dim[d])))
+        if n <= _FEW:
+            return _ordered(_sweep(shards, range(n), sharded, a))
+        if len(sharded) == 2:
+            return _ordered(_two_dims(shards, range(n), a, sharded[0] if a == sharded[1] else sharded[1]))
+        try:
+            return _ordered(_cells(shards, range(n), sharded))
+        except OverflowError:
+            return _ordered(_sweep(shards, range(n), sharded, a))
+    d = sharded[0]
+    sizes = list(map(itemgetter(d), lengths))
+    # Sorted by start, an overlap shows between neighbours.
+    prev_end = -1
+    for start, length in sorted(zip(starts_by_dim[d], sizes, strict=True)):
+        if start < prev_end:
+            return _ordered(_one_dim(starts_by_dim[d], sizes))  # which two: rare, so found again
+        prev_end = start + length
+    return None
+
+
+def _ordered(pair: Optional[tuple[int, int]]) -> Optional[tuple[int, int]]:
+    """``pair`` with the lower index first."""
+    if pair is None or pair[0] < pair[1]:
+        return pair
+    return pair[1], pair[0]
+
+
+def validate_non_overlapping(shards: Sequence[ShardMetadata], columns: Optional[_Columns] = None) -> None:
+    """Raise if two non-empty shards overlap; O(n log n) in the number of shards.
+
+    Args:
+        shards: The shards.
+        columns: Their columns, when the caller already built them.
+
+    Raises:
+        ValueError: naming an overlapping pair and their boxes, or two
+            shards with different numbers of dimensions.
+    """
+    if columns is None:
+        pair = _find_overlap_direct(shards)
+    else:
+        pair = find_overlap(shards, columns)
+    if pair is not None:
+        i, j = pair
+        raise ValueError(
+            f"Shards overlap: shards {i} ({shards[i].describe()}) and {j} ({shards[j].describe()}) overlap; "
+            "every element of the tensor must belong to exactly one shard"
+        )
+
+
+def check_covering(
+    shards: Sequence[ShardMetadata], tensor_size: Sequence[int], columns: Optional[_Columns] = None
+) -> None:
+    """Raise unless the shards fit in the tensor and (with no overlaps) cover it.
+
+    Call after :func:`validate_non_overlapping`: then covering is the same
+    as the shard volumes adding up to the tensor's. An empty shard holds no
+    element, so (as for overlaps) where it sits is not checked.
+
+    Args:
+        shards: The shards.
+        tensor_size: The size of the tensor they should tile.
+        columns: Their columns, when the caller already built them.
+
+    Raises:
+        ValueError: a shard has the wrong number of dimensions or a
+            non-empty one sticks out of the tensor (naming it), or the
+            shards leave elements uncovered.
+    """
+    size = list(tensor_size)
+    if columns is None:
+        total = _covered(shards, size)
+    elif shards:
+        cols = columns if columns is not None else _Columns(shards)
+        if not cols.uniform or cols.ndim != len(size):
+            _raise_outside(shards, size)
+        for d in range(cols.ndim):
+            if max(map(add, cols.starts[d], cols.sizes[d])) > size[d]:
+                # Something sticks out; empty shards may, so look for a non-empty one the slow way.
+                _raise_outside(shards, size)
+                break
+        volumes = cols.sizes[0] if cols.ndim else [1] * len(shards)
+        for column in cols.sizes[1:]:
+            volumes = list(map(mul, volumes, column))
+        total = sum(volumes)
+    else:
+        total = 0
+    expected = math.prod(size)
+    if total != expected:
+        raise ValueError(
+            f"shards do not cover the tensor of size {size}: they hold {total} of its {expected} elements "
+            f"(Total volume of shards: {total} does not match tensor volume: {expected}, in other words all "
+            f"the individual shards do not cover the entire tensor; shards: {_describe(shards)})"
+        )
+
+
+def _covered(shards: Sequence[ShardMetadata], size: list[int]) -> int:
+    """The elements the shards hold, raising for one of the wrong rank or a non-empty one outside ``size``.
+
+    One pass with no intermediate lists; the common ranks unpack each shard's
+    offsets and sizes into locals (a shard of another rank fails to unpack).
+    """
+    ndim = len(size)
+    total = 0
+    if ndim == 2:
+        lim0, lim1 = size
+        for shard in shards:
+            try:
+                o0, o1 = shard.shard_offsets
+                z0, z1 = shard.shard_sizes
+            except ValueError:
+                _raise_outside(shards, size)
+                raise
+            volume = z0 * z1
+            if volume and (o0 + z0 > lim0 or o1 + z1 > lim1):
+                _raise_outside(shards, size)
+            total += volume
+        return total
+    if ndim == 3:
+        lim0, lim1, lim2 = size
+        for shard in shards:
+            try:
+                o0, o1, o2 = shard.shard_offsets
+                z0, z1, z2 = shard.shard_sizes
+            except ValueError:
+                _raise_outside(shards, size)
+                raise
+            volume = z0 * z1 * z2
+            if volume and (o0 + z0 > lim0 or o1 + z1 > lim1 or o2 + z2 > lim2):
+                _raise_outside(shards, size)
+            total += volume
+        return total
+    if ndim == 1:
+        (lim,) = size
+        for shard in shards:
+            try:
+                (o,) = shard.shard_offsets
+                (z,) = shard.shard_sizes
+            except ValueError:
+                _raise_outside(shards, size)
+                raise
+            if z and o + z > lim:
+                _raise_outside(shards, size)
+            total += z
+        return total
+    for shard in shards:
+        offsets, lengths = shard.shard_offsets, shard.shard_sizes
+        if len(offsets) != ndim:
+            _raise_outside(shards, size)
+        volume = math.prod(lengths)
+        if volume and any(map(gt, map(add, offsets, lengths), size)):
+            _raise_outside(shards, size)
+        total += volume
+    return total
+
+
+def validate_layout(shards: Sequence[ShardMetadata], tensor_size: Sequence[int]) -> None:
+    """:func:`validate_non_overlapping` then :func:`check_covering`: what shardwise's constructors run.
+
+    Both take their direct paths (no shared columns): measured faster than
+    building columns once at every shard count in ``benchmarks/validation.py``.
+
+    Raises:
+        ValueError: as those two.
+    """
+    validate_non_overlapping(shards)
+    check_covering(shards, tensor_size)
+
+
+def _raise_outside(shards: Sequence[ShardMetadata], size: list[Any]) -> None:
+    """Raise for the first shard of the wrong rank or the first non-empty one outside ``size``."""
+    for i, shard in enumerate(shards):
+        if len(shard.shard_offsets) != len(size):
+            raise ValueError(
+                f"shard {i} ({shard.describe()}) has {len(shard.shard_offsets)} dimensions, "
+                f"the tensor of size {size} has {len(size)} (Rank of tensor is {len(size)}, "
+                f"but shards rank is {len(shard.shard_offsets)})"
+            )
+        if 0 in shard.shard_sizes:
+            continue
+        for d, (offset, length, limit) in enumerate(zip(shard.shard_offsets, shard.shard_sizes, size, strict=True)):
+            if offset + length > limit:
+                raise ValueError(
+                    f"shard {i} ({shard.describe()}) ends at {offset + length} in dim {d}, "
+                    f"outside the tensor of size {size} (Shard offset {offset} and length {length} "
+                    f"exceeds tensor dim: {limit})"
+                )

@@ -1,0 +1,56 @@
+"""The plugin SDK: everything a shardwise plugin needs from the core, public and typed.
+
+Plugins (backends, sharded ops, launchers) import from here and from the
+other public modules (``shardwise``, ``shardwise.errors``,
+``shardwise.hookspecs``, ``shardwise.torch_group``, ``shardwise.nn.functional``)
+and never from a ``shardwise._*`` module: the private layers may change
+between releases, this module may not without a deprecation.
+
+What is here:
+
+* **buffers** — :func:`empty`, :func:`empty_like`, :func:`zeros`: the core's
+  allocator for large transient buffers (huge pages, a bounded cache of freed
+  buffers) and its accounting (:func:`live_bytes`, :func:`peak_new_bytes`,
+  :func:`reset_peak`). A plugin that moves data allocates through it so the
+  memory bounds the core promises hold for plugin ops too.
+* **reduce ops** — :data:`REDUCE_OPS` (the names every backend accepts) and
+  :func:`normalize_reduce_op` (``"sum"``, ``torch.distributed.ReduceOp.SUM``,
+  ``"prod"`` ... to one of them), so every backend reads ``op=`` the same way.
+* **groups** — :class:`Group`, :func:`resolve_group` (every form a
+  ``process_group=`` argument takes), :data:`DEFAULT_TIMEOUT`.
+* **agreement** — :meth:`Group.agree`, the one "check locally, tell the
+  peers, fail together" primitive, and :data:`AGREED_ERRORS`, the error
+  kinds it carries to the peers.
+
+Example, a sharded op's prologue in a plugin::
+
+    from shardwise import sdk
+
+    def my_op(types, args, kwargs, process_group):
+        group = sdk.resolve_group(process_group)
+        ids = group.agree(lambda: check_ids(args[0]), op="my_op")  # raises on every rank, or none
+        out = sdk.empty((ids.numel(), 8), torch.float32, ids.device)
+"""
+
+from __future__ import annotations
+
+from shardwise._comm.agreement import AGREED_ERRORS
+from shardwise._comm.buffers import empty, empty_like, live_bytes, peak_new_bytes, reset_peak, zeros
+from shardwise._comm.default_group import DEFAULT_TIMEOUT, resolve_group
+from shardwise._comm.group import Group
+from shardwise._vocab.wire import REDUCE_OPS, normalize_reduce_op
+
+__all__ = [
+    "AGREED_ERRORS",
+    "DEFAULT_TIMEOUT",
+    "REDUCE_OPS",
+    "Group",
+    "empty",
+    "empty_like",
+    "live_bytes",
+    "normalize_reduce_op",
+    "peak_new_bytes",
+    "reset_peak",
+    "resolve_group",
+    "zeros",
+]
