@@ -12,7 +12,8 @@ PIP    := $(BIN)/python -m pip
 DISTS := -e packages/shardwise[test] -e plugins/shardwise-gloo -e plugins/shardwise-nccl -e plugins/shardwise-mpi[mpich] \
          -e plugins/shardwise-embedding[test] -e plugins/shardwise-fsdp[test]
 # tqdm and matplotlib: progress bars and the chart of `make demo` and `make bench`.
-DEV_TOOLS := tox ruff mypy pytest pytest-timeout hypothesis numpy tqdm matplotlib
+# import-linter: the core's import contracts (.importlinter), run by `make lint`.
+DEV_TOOLS := tox ruff mypy import-linter pytest pytest-timeout hypothesis numpy tqdm matplotlib
 
 # `make install` is re-run when any of these change.
 INSTALL_INPUTS := Makefile constraints.txt $(wildcard packages/*/pyproject.toml plugins/*/pyproject.toml)
@@ -86,11 +87,19 @@ bench-validation: install
 bench-embedding: install
 	$(BIN)/mpiexec -n 2 $(BIN)/python benchmarks/embedding.py
 
-# Both checkers always run; the target fails if either found something.
+# Every checker always runs; the target fails if any found something.
+# lint-imports reads the import contracts from .importlinter (found in this,
+# the repository root) over the editable installs in $(VENV); --no-cache: the
+# graph takes well under a second. test_architecture.py (also part of `make
+# test`) checks the whole core for import cycles and function-level imports.
+# See docs/architecture.md.
+ARCH_TEST := packages/shardwise/tests/test_architecture.py
 lint: install
 	@status=0; \
 	echo "$(BIN)/ruff check $(LINT_PATHS)"; $(BIN)/ruff check $(LINT_PATHS) || status=1; \
 	echo "$(BIN)/mypy $(MYPY_PATHS)"; $(BIN)/mypy $(MYPY_PATHS) || status=1; \
+	echo "$(BIN)/lint-imports --no-logo --no-cache"; $(BIN)/lint-imports --no-logo --no-cache || status=1; \
+	echo "$(BIN)/pytest -q -p no:cacheprovider $(ARCH_TEST)"; $(BIN)/pytest -q -p no:cacheprovider $(ARCH_TEST) || status=1; \
 	exit $$status
 
 # Build and test leftovers; `distclean` also removes the dev venv.

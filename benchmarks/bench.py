@@ -62,7 +62,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-import shardwise_mpi  # noqa: F401  (registers the torch backend and its mpiexec rendezvous)
+import shardwise_mpi
 import torch
 import torch.distributed as dist
 from _timing import library_line, mpi, peak_memory, script_args, time_all
@@ -400,6 +400,8 @@ def main(argv: list[str] | None = None) -> int:
     mpi_group = shardwise.init("mpi")
     comm = mpi().COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
+    # Makes env:// fall back to MPI under mpiexec: gloo then needs no MASTER_ADDR.
+    shardwise_mpi.register_torch_backend()
     dist.init_process_group("gloo")  # rendezvous through MPI: no MASTER_ADDR needed
     groups = {"gloo": wrap_process_group(dist.group.WORLD), "mpi": mpi_group}
     bandwidth = memcpy_bandwidth(comm, sizes.side * sizes.side * 4, sizes.repeats)

@@ -41,7 +41,7 @@ import sys
 import warnings
 from typing import Any, Callable
 
-import shardwise_mpi  # noqa: F401  (registers the torch backend and its mpiexec rendezvous)
+import shardwise_mpi
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -189,6 +189,8 @@ def main() -> int:
     mpi_group = shardwise.init("mpi")
     comm = mpi().COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
+    # Makes env:// fall back to MPI under mpiexec: gloo then needs no MASTER_ADDR.
+    shardwise_mpi.register_torch_backend()
     dist.init_process_group("gloo")  # rendezvous through MPI: no MASTER_ADDR needed
     gloo = wrap_process_group(dist.group.WORLD)
     groups = {"gloo": gloo, "mpi": mpi_group}

@@ -52,9 +52,8 @@ from fuzz_ranks import (
 from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 
-from shardwise._layout import redistribute as _exchange
-
 from shardwise._layout import plan as _plan
+from shardwise._layout import redistribute as _exchange
 from shardwise._vocab.metadata import check_covering, intersect, validate_non_overlapping
 from shardwise.sharded_tensor import Shard, ShardMetadata, ShardedTensorMetadata, TensorProperties
 from shardwise.sharding_spec import (

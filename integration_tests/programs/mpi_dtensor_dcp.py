@@ -6,7 +6,7 @@ sharded by rows, ``dcp.load`` into one sharded by columns.
 
 import sys
 
-import shardwise_mpi  # noqa: F401  (registers the "mpi4py" torch backend)
+import shardwise_mpi
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -17,6 +17,7 @@ import shardwise
 from shardwise import ChunkShardingSpec
 from shardwise.torch_group import wrap_process_group
 
+shardwise_mpi.register_torch_backend()  # importing registers nothing: ask for "mpi4py"
 dist.init_process_group("mpi4py")
 rank, size = dist.get_rank(), dist.get_world_size()
 mesh = init_device_mesh("cpu", (size,))

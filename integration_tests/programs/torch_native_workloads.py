@@ -244,7 +244,9 @@ def main() -> None:
         del args[at : at + 2]
     backend, out, names = args[0], Path(args[1]), args[2:] or list(SCENARIOS)
     if backend == "mpi4py":
-        import shardwise_mpi  # noqa: F401  (registers the "mpi4py" torch backend)
+        import shardwise_mpi  # only the mpiexec run has shardwise-mpi
+
+        shardwise_mpi.register_torch_backend()
     dist.init_process_group(backend)
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))

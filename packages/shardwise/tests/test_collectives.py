@@ -310,7 +310,9 @@ def test_bad_input_raises_on_every_rank() -> None:
     results = _run(bad_inputs, 2)
     check_errors(results, EXPECTED_ALL, EXPECTED_ONE)
     for seen in results:
-        assert seen["reject_kind"] == ("TypeError", "reject() takes a TypeError, ValueError or IndexError, got RuntimeError")
+        assert seen["reject_kind"] == (
+            "TypeError", "reject() takes a TypeError, ValueError, IndexError, KeyError or NotImplementedError, got RuntimeError"
+        )
         assert seen["after"] == ("ok", "2.0")
     assert results[1]["labelled"] == ("ValueError", "bad spec")
     assert results[0]["labelled"][0] == "PeerError"

@@ -1,7 +1,7 @@
-"""The redistribution planner, on metadata alone, simulated over every rank in one process.
+"""The transfer planner, on metadata alone, simulated over every rank in one process.
 
-``shardwise._layout.redistribute.plan`` decides what each rank copies locally, sends and
-receives; ``pack``/``unpack``/``copy_local`` are the real data movers. Here
+``shardwise._layout.plan.plan`` decides what each rank copies locally, sends and
+receives, and how; ``pack``/``unpack``/``copy_local`` are the real data movers. Here
 every rank's plan is run against in-memory "wires" and the result compared
 with the dense tensor, and the plans are checked against an independent
 count of what must move (element owner maps).
@@ -19,21 +19,20 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as hst
 
+from shardwise._layout.plan import MAX_ROUNDS, Run, restrict, rounds_needed, slab_plans, slabs
 from shardwise._layout.redistribute import (
     Piece,
-    Plan,
-    arrives_whole,
+    TransferPlan,
     box,
     copy_local,
     pack,
     plan,
     receive_view,
     row_major_start,
-    run_of,
+    send_view,
     unpack,
 )
 from shardwise._vocab.metadata import ShardMetadata, ShardedTensorMetadata, TensorProperties
-from shardwise._layout.plan import MAX_ROUNDS, restrict, rounds_needed, slabs
 from shardwise.sharding_spec import ChunkShardingSpec
 
 
@@ -69,11 +68,11 @@ def _owners(md: ShardedTensorMetadata) -> torch.Tensor:
     return owner
 
 
-def simulate(src: ShardedTensorMetadata, dst: ShardedTensorMetadata, world: int, rounds: int = 1) -> list[Plan]:
+def simulate(src: ShardedTensorMetadata, dst: ShardedTensorMetadata, world: int, rounds: int = 1) -> list[TransferPlan]:
     """Run every rank's plan with in-memory wires and check the result against the dense tensor.
 
     With ``rounds`` > 1 the plans are cut into that many dim-0 slabs
-    (``restrict``) and each slab goes through its own wire, as
+    (``slab_plans``) and each slab goes through its own wire, as
     ``redistribute(..., rounds=...)`` does.
     """
     size = tuple(src.size)
@@ -88,11 +87,12 @@ def simulate(src: ShardedTensorMetadata, dst: ShardedTensorMetadata, world: int,
         assert s.placement is not None
         targets[s.placement.rank()][j] = torch.full(s.shard_sizes, -1.0, dtype=torch.float64)
     if rounds > 1 and size and size[0] > 1:
-        for lo, hi in slabs(size[0], min(rounds, size[0])):
-            _wire([restrict(p, lo, hi) for p in plans], sources, targets)
+        # Round k of every rank goes through one wire, as ``redistribute(..., rounds=...)`` runs them.
+        for parts in zip(*[slab_plans(p, rounds) for p in plans], strict=True):
+            _wire(list(parts), sources, targets)
     else:
         for r, flat in enumerate(_wire(plans, sources, targets)):
-            whole = arrives_whole(plans[r], dst)
+            whole = plans[r].recv_whole
             if whole is not None:
                 # The receive buffer, as it is, is that target shard.
                 md = dst.shards_metadata[whole]
@@ -105,7 +105,7 @@ def simulate(src: ShardedTensorMetadata, dst: ShardedTensorMetadata, world: int,
 
 
 def _wire(
-    plans: list[Plan], sources: list[dict[int, torch.Tensor]], targets: list[dict[int, torch.Tensor]]
+    plans: list[TransferPlan], sources: list[dict[int, torch.Tensor]], targets: list[dict[int, torch.Tensor]]
 ) -> list[torch.Tensor]:
     """One all-to-all of every rank's ``plans``, in memory; returns what each rank received."""
     world = len(plans)
@@ -129,7 +129,7 @@ def _wire(
     return received
 
 
-def check_plans(src: ShardedTensorMetadata, dst: ShardedTensorMetadata, plans: list[Plan]) -> None:
+def check_plans(src: ShardedTensorMetadata, dst: ShardedTensorMetadata, plans: list[TransferPlan]) -> None:
     """Every target element arrives exactly once from its owner; volumes are exactly what must move."""
     world = len(plans)
     src_owner, dst_owner = _owners(src), _owners(dst)
@@ -158,15 +158,15 @@ def check_plans(src: ShardedTensorMetadata, dst: ShardedTensorMetadata, plans: l
     assert all(p.needs_wire == wire for p in plans)
 
 
-def _locals(p: Plan) -> list[Piece]:
+def _locals(p: TransferPlan) -> list[Piece]:
     return list(p.local)
 
 
-def _sent(p: Plan) -> list[Piece]:
+def _sent(p: TransferPlan) -> list[Piece]:
     return [q for per_rank in p.send for q in per_rank]
 
 
-def _received(p: Plan) -> list[Piece]:
+def _received(p: TransferPlan) -> list[Piece]:
     return [q for per_rank in p.recv for q in per_rank]
 
 
@@ -240,13 +240,13 @@ def test_whole_arrivals_are_adopted() -> None:
     src = _chunk([5, 3], 0, [0])
     dst = _chunk([5, 3], 0, [0, 1, 2])
     plans = simulate(src, dst, 3)
-    assert [arrives_whole(p, dst) for p in plans] == [None, 1, 2]
+    assert [p.recv_whole for p in plans] == [None, 1, 2]
     # Columns gathered from row shards arrive in row order: whole, unless part of it is local.
     src, dst = _chunk([4, 6], 0, [0, 1]), _chunk([4, 6], 1, [2, 0])
-    assert [arrives_whole(p, dst) for p in simulate(src, dst, 3)] == [None, None, 0]
+    assert [p.recv_whole for p in simulate(src, dst, 3)] == [None, None, 0]
     # Two target shards on one rank: never adopted.
     dst = _chunk([4, 6], 1, [2, 2])
-    assert arrives_whole(simulate(src, dst, 3)[2], dst) is None
+    assert simulate(src, dst, 3)[2].recv_whole is None
 
 
 def test_row_major_start() -> None:
@@ -338,17 +338,27 @@ def test_rows_move_without_packing_or_unpacking() -> None:
     assert receive_view(plan(rows, whole, 0, 3), {0: out.float()}, torch.float64) is None
 
 
-def test_run_of_needs_consecutive_runs() -> None:
-    t = torch.zeros(4, 2)
-    md = _chunk([4, 2], 0, [0, 1, 2, 3])
-    pieces = [p for p in plan(md, _md([ShardMetadata([0, 0], [4, 2], "rank:0/cpu")], [4, 2]), 0, 4).recv if p]
-    flat = [p for per in pieces for p in per]  # rows 1, 2, 3 from ranks 1, 2, 3
-    assert run_of(t, flat, False, torch.float32) is not None
-    assert run_of(t, [flat[0], flat[2]], False, torch.float32) is None  # a gap between them
-    assert run_of(t.t(), flat, False, torch.float32) is None  # not contiguous
+def test_views_need_consecutive_runs() -> None:
+    rows = _chunk([4, 2], 0, [0, 1, 2, 3])
+    whole = _md([ShardMetadata([0, 0], [4, 2], "rank:0/cpu")], [4, 2])
+    # Rows 1, 2, 3 arrive from ranks 1, 2, 3 back to back after rank 0's own row.
+    gathered = plan(rows, whole, 0, 4)
+    assert gathered.recv_view == Run(0, 2, 8) and gathered.recv_whole is None
+    assert receive_view(gathered, {0: torch.zeros(4, 2)}, torch.float32) is not None
+    assert receive_view(gathered, {0: torch.zeros(2, 4).t()}, torch.float32) is None  # not contiguous
+    # Rows 1 and 3 only (rank 2 keeps row 2): a gap between them, so no view.
+    holes = _md([ShardMetadata([0, 0], [4, 2], "rank:0/cpu")], [4, 2], torch.float64)
+    spread = _grid([4, 2], [[1, 2, 3], []], [0, 1, 0, 3], [])
+    assert plan(spread, holes, 0, 4).recv_view is None
+    # Scattering rows: rank 0 sends rows 1..3 from a view of the whole tensor, and each row arrives whole.
+    scattered = [plan(whole, rows, r, 4) for r in range(4)]
+    assert scattered[0].send_view == Run(0, 2, 8)
+    assert [p.recv_whole for p in scattered] == [None, 1, 2, 3]
+    assert send_view(scattered[0], {0: torch.zeros(4, 2)}, torch.float32) is not None
+    assert send_view(scattered[0], {0: torch.zeros(4, 2)}, torch.float64) is None  # another dtype on the wire
 
 
-def _buffers(p: Plan, src: ShardedTensorMetadata, dst: ShardedTensorMetadata) -> int:
+def _buffers(p: TransferPlan, src: ShardedTensorMetadata, dst: ShardedTensorMetadata) -> int:
     """Elements this plan packs into a send buffer plus those it receives into a separate buffer."""
     sources = {i: torch.zeros(m.shard_sizes, dtype=torch.float64) for i, m in enumerate(src.shards_metadata)}
     targets = {j: torch.zeros(m.shard_sizes, dtype=torch.float64) for j, m in enumerate(dst.shards_metadata)}

@@ -21,8 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 import shardwise
-from shardwise import sharded_tensor
-from shardwise import checkpoint
+from shardwise import checkpoint, sharded_tensor
 from shardwise.sharded_tensor import Shard, ShardMetadata
 from shardwise.sharding_spec import ChunkShardingSpec
 from shardwise.testing import current_rank_dir
@@ -271,7 +270,7 @@ def test_groups_translate_between_global_and_group_ranks() -> None:
 
 
 def test_resolve_group_takes_torchs_non_group_member() -> None:
-    from shardwise._session.runtime import resolve_group
+    from shardwise import resolve_group
 
     group = resolve_group(dist.GroupMember.NON_GROUP_MEMBER)
     assert not group.is_member and group.rank == -1 and group.ranks == ()

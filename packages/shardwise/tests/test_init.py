@@ -10,8 +10,7 @@ import torch
 import torch.distributed as dist
 
 import shardwise
-from shardwise import Availability, Backend, LaunchInfo, hookimpl
-from shardwise import plugins
+from shardwise import Availability, Backend, LaunchInfo, hookimpl, plugins
 from shardwise._session.runtime import select_backend
 from shardwise.errors import BackendNotFoundError, BackendUnavailableError, LaunchError
 from shardwise.torch_group import TorchGroup

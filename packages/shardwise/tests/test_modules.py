@@ -16,9 +16,9 @@ from torch.distributed._shard.sharder import Sharder as TorchSharder
 from torch.distributed._shard.sharding_spec import ChunkShardingSpec as TorchChunk
 
 import shardwise
+from shardwise import shard_module, shard_parameter
 from shardwise._vocab.metadata import TensorProperties
-from shardwise._modules.sharding import pre_load_state_dict_hook, shard_module, shard_parameter, state_dict_hook
-from shardwise.sharded_tensor import Shard, ShardedTensor
+from shardwise.sharded_tensor import Shard, ShardedTensor, pre_load_state_dict_hook, state_dict_hook
 from shardwise.sharder import Sharder
 from shardwise.sharding_plan import ShardingPlan, ShardingPlanner
 from shardwise.sharding_spec import ChunkShardingSpec, ShardingSpec

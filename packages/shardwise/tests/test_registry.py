@@ -10,8 +10,7 @@ import pytest
 import torch
 
 import shardwise
-from shardwise import Availability, Backend, Launcher, ShardedOp, hookimpl
-from shardwise import plugins
+from shardwise import Availability, Backend, Launcher, ShardedOp, hookimpl, plugins
 from shardwise._registry.manager import DEFAULT_PLUGINS, create_registry
 from shardwise.errors import BackendNotFoundError, OpNotFoundError, PluginError
 

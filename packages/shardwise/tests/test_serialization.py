@@ -11,9 +11,8 @@ import torch
 from torch import nn
 
 import shardwise
-from shardwise._tensor.pickling import load_with_process_group, restore_sharded_tensor
+from shardwise import load_with_process_group, shard_parameter
 from shardwise._vocab.metadata import ShardMetadata
-from shardwise._modules.sharding import shard_parameter
 from shardwise.sharded_tensor import ShardedTensor
 from shardwise.sharding_spec import ChunkShardingSpec, EnumerableShardingSpec
 from shardwise.testing import current_rank_dir
@@ -144,7 +143,7 @@ def save_and_load(out_dir: str) -> str:
             with pytest.raises(RuntimeError, match="Local world size at save time was 1, but at load time was 2"):
                 torch.load(here / "sub.pt")
     with pytest.raises(RuntimeError, match="expected a shardwise state of version 1, found 99"):
-        restore_sharded_tensor(made["cols"], {"version": 99})
+        made["cols"].__setstate__({"version": 99})
     _same(made["cols"], _tensors()["cols"], group)  # the failed restore changed nothing
 
     # Files for the next run (a fresh process that has pickled nothing yet).

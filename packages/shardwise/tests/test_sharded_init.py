@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 
 import shardwise
 import shardwise.sharded_tensor as sharded
-from shardwise._vocab.metadata import ShardMetadata
-from shardwise.sharded_tensor import ShardedTensor
 from shardwise._tensor.ops import random as _random
 from shardwise._tensor.ops.random import block_seed, draw_seed, fill_box
+from shardwise._vocab.metadata import ShardMetadata
+from shardwise.sharded_tensor import ShardedTensor
 from shardwise.sharding_spec import ChunkShardingSpec, EnumerableShardingSpec, ShardingSpec
 
 from rank_helpers import run as _run

@@ -244,8 +244,8 @@ def test_op_not_found_is_also_not_implemented_error() -> None:
 
 
 def test_custom_op_decorators_do_not_build_the_plugin_manager() -> None:
-    from shardwise._tensor import custom_ops as _custom_ops
     from shardwise._registry import manager as _registry
+    from shardwise._tensor import custom_ops as _custom_ops
 
     _registry.reset()
 

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 import shardwise
+from shardwise import shard_parameter
 from shardwise._vocab import validation as _validation
 from shardwise._vocab.metadata import Placement
-from shardwise._modules.sharding import shard_parameter
 from shardwise._vocab.validation import check_covering, validate_layout, validate_non_overlapping
 from shardwise.errors import LocalShardsMismatchError
 from shardwise.sharded_tensor import (

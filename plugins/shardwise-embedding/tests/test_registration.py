@@ -14,8 +14,8 @@ import pytest
 import torch.nn.functional as F
 
 import shardwise
-from shardwise._registry import manager as _registry
 from shardwise import plugins
+from shardwise._registry import manager as _registry
 from shardwise._session.info import main as info_main
 from shardwise.sharding_spec import ChunkShardingSpec
 
@@ -91,7 +91,7 @@ def test_import_registers_nothing_in_process() -> None:
 def test_fresh_import_builds_no_plugin_manager() -> None:
     code = (
         "import sys, shardwise_embedding, shardwise_embedding.plugin\n"
-        "from shardwise import _registry\n"
+        "from shardwise._registry import manager as _registry\n"
         "import torch.distributed as dist\n"
         "print(_registry._current is None, dist.is_initialized(), 'shardwise_gloo' in sys.modules)\n"
     )

@@ -10,8 +10,7 @@ import pytest
 import torch
 
 import shardwise
-from shardwise import LaunchInfo
-from shardwise import plugins
+from shardwise import LaunchInfo, plugins
 from shardwise.errors import BackendUnavailableError
 from shardwise.testing import run_ranks
 from shardwise_nccl.plugin import local_device

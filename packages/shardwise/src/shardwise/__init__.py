@@ -7,7 +7,8 @@ and backend libraries (mpi4py, CUDA) load only when their backend is chosen.
 from __future__ import annotations
 
 from shardwise._comm.group import Group
-from shardwise._tensor.pickling import load_with_process_group
+from shardwise._modules.plan import ShardingPlan
+from shardwise._modules.sharder import Sharder
 from shardwise._modules.sharding import shard_module, shard_parameter
 from shardwise._registry.records import Availability, Backend, LaunchInfo, Launcher, ShardedOp
 from shardwise._session.runtime import (
@@ -18,7 +19,15 @@ from shardwise._session.runtime import (
     is_initialized,
     resolve_group,
 )
+from shardwise._tensor.loading import load_with_process_group
 from shardwise._tensor.scatter import shard_tensor
+from shardwise._tensor.specs import (
+    ChunkShardingSpec,
+    DevicePlacementSpec,
+    EnumerableShardingSpec,
+    ShardingSpec,
+)
+from shardwise._vocab.version import __version__ as __version__
 from shardwise.api import _shard_tensor
 from shardwise.hookspecs import hookimpl
 from shardwise.sharded_tensor import (
@@ -30,16 +39,6 @@ from shardwise.sharded_tensor import (
     from_torch,
     to_torch,
 )
-from shardwise._modules.sharder import Sharder
-from shardwise._modules.plan import ShardingPlan
-from shardwise._tensor.specs import (
-    ChunkShardingSpec,
-    DevicePlacementSpec,
-    EnumerableShardingSpec,
-    ShardingSpec,
-)
-
-__version__ = "0.1.0"
 
 __all__ = [
     "_shard_tensor",

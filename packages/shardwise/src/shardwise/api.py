@@ -11,16 +11,17 @@ from __future__ import annotations
 from typing import Any
 
 from shardwise._comm.group import Group
-from shardwise._tensor.pickling import current_process_group, load_with_process_group
+from shardwise._modules.sharder import Sharder
 from shardwise._modules.sharding import (  # noqa: F401 - torch's private hooks, imported by outside code from here
     _collect_local_shard,
     _reshard_output,
     shard_module,
     shard_parameter,
 )
+from shardwise._tensor.loading import load_with_process_group
+from shardwise._tensor.pickling import current_process_group
 from shardwise._tensor.scatter import shard_tensor
 from shardwise.sharded_tensor import ShardedTensor
-from shardwise._modules.sharder import Sharder
 from shardwise.sharding_plan import ShardingPlan
 from shardwise.sharding_spec import ChunkShardingSpec, ShardingSpec
 

@@ -48,12 +48,12 @@ def _basic_validation(op: Any, args: Any = (), kwargs: Optional[dict[str, Any]] 
             f"torch function '{_op_name(op)}', with args: {args} and kwargs: {kwargs} are called without any "
             "distributed tensor!"
         )
-    first = sharded[0]._process_group
+    first = sharded[0].process_group
     for st in sharded[1:]:
-        if not _same_group(first, st._process_group):
+        if not _same_group(first, st.process_group):
             raise RuntimeError(
                 "All distributed tensors should use the same ProcessGroup if used together in an op. "
-                f"('{_op_name(op)}' got tensors on {first!r} and {st._process_group!r}; reshard or rebuild one "
+                f"('{_op_name(op)}' got tensors on {first!r} and {st.process_group!r}; reshard or rebuild one "
                 "of them on the other's group)"
             )
 

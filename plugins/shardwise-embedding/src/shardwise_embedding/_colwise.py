@@ -16,8 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import shardwise.nn.functional as dist_f
-from shardwise import Group
-from shardwise._comm import buffers as _memory
+from shardwise import Group, sdk
 from shardwise_embedding._grad import pool_by_frequency, scale_grad
 from shardwise_embedding._inputs import Options, Table, zeros_in_graph
 from shardwise_embedding._take import place_columns, pool_rows, take_rows
@@ -95,7 +94,7 @@ def assemble_columns(group: Group, table: Table, flat: torch.Tensor, sent: list[
     for offset, size, owner in table.shards:
         owned.setdefault(owner, []).append((offset, size))
     recv = [rows * sum(size for _, size in owned.get(r, [])) for r in range(group.size)]
-    box = _memory.empty((sum(recv),), flat.dtype, flat.device)
+    box = sdk.empty((sum(recv),), flat.dtype, flat.device)
     got = dist_f.all_to_all_single(box, flat, recv, sent, group=group)
     blocks = []
     cursor = 0

@@ -21,8 +21,7 @@ from typing import Optional
 import torch
 
 import shardwise.nn.functional as dist_f
-from shardwise import Group
-from shardwise._comm import buffers as _memory
+from shardwise import Group, sdk
 from shardwise_embedding._grad import pool_by_frequency, scale_grad
 from shardwise_embedding._inputs import Bags, Options, Table, zeros_in_graph
 from shardwise_embedding._take import pool_rows, take_rows
@@ -138,7 +137,7 @@ def route_rows(group: Group, table: Table, opts: Options, route: RowRoute, recv_
         seen, where = torch.unique(ids, return_inverse=True)
         total = torch.zeros(seen.numel(), dtype=torch.int64, device=ids.device).index_add_(0, where, freq)
         rows = scale_grad(rows, 1.0 / total[where].to(rows.dtype))
-    out = _memory.empty((len(route.send), table.cols), rows.dtype, rows.device)
+    out = sdk.empty((len(route.send), table.cols), rows.dtype, rows.device)
     return dist_f.all_to_all_single(out, rows, route.send_counts, recv_counts, group=group)
 
 

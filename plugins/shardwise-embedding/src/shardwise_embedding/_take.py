@@ -3,8 +3,8 @@
 ``F.embedding`` and ``F.embedding_bag`` compute the same things, but their
 results and weight gradients come fresh from torch's allocator, which
 faults them in 4 KiB at a time; for tables and batches of tens of MiB that
-costs several times the arithmetic (see ``shardwise._comm.buffers``). These
-functions write into ``shardwise._comm.buffers`` buffers instead. A row gather's
+costs several times the arithmetic (see the buffers of ``shardwise.sdk``). These
+functions write into ``shardwise.sdk.empty``/``zeros`` buffers instead. A row gather's
 backward adds the rows' gradients into a zero-filled buffer with
 ``index_add_`` (cheaper here than ``embedding_dense_backward``'s sort); a
 bag sum's backward is itself a bag sum over the gradient (see
@@ -18,7 +18,7 @@ from typing import Any, Optional
 import torch
 from torch.autograd import Function
 
-from shardwise._comm import buffers as _memory
+from shardwise import sdk
 
 __all__ = ["place_columns", "pool_rows", "take_rows"]
 
@@ -28,7 +28,7 @@ class _TakeRows(Function):
     def forward(ctx: Any, table: torch.Tensor, index: torch.Tensor, padding_idx: Optional[int]) -> torch.Tensor:
         ctx.save_for_backward(index)
         ctx.rows, ctx.padding_idx = table.shape[0], padding_idx
-        out = _memory.empty((index.numel(), table.shape[1]), table.dtype, table.device)
+        out = sdk.empty((index.numel(), table.shape[1]), table.dtype, table.device)
         return torch.index_select(table, 0, index, out=out)
 
     @staticmethod
@@ -36,8 +36,8 @@ class _TakeRows(Function):
         (index,) = ctx.saved_tensors
         if not grad.is_contiguous():
             # index_add_ reads a broadcast gradient (as from out.sum()) several times slower than a dense one.
-            grad = _memory.empty_like(grad).copy_(grad)
-        table_grad = _memory.zeros((ctx.rows, grad.shape[1]), grad.dtype, grad.device)
+            grad = sdk.empty_like(grad).copy_(grad)
+        table_grad = sdk.zeros((ctx.rows, grad.shape[1]), grad.dtype, grad.device)
         table_grad.index_add_(0, index, grad)
         if ctx.padding_idx is not None:
             table_grad[ctx.padding_idx] = 0  # the dense op gives the padding row no gradient
@@ -62,7 +62,7 @@ def take_rows(
         with torch.no_grad():
             torch.embedding_renorm_(table.detach(), index.contiguous(), max_norm, norm_type)
     if not (table.requires_grad and torch.is_grad_enabled()):
-        out = _memory.empty((index.numel(), table.shape[1]), table.dtype, table.device)
+        out = sdk.empty((index.numel(), table.shape[1]), table.dtype, table.device)
         return torch.index_select(table, 0, index, out=out)
     result: torch.Tensor = _TakeRows.apply(table, index, padding_idx)
     return result
@@ -86,7 +86,7 @@ def _bag_table_grad(
     occurs in, so the dense op's fast forward kernel computes it.
     """
     cols = grad.shape[1]
-    table_grad = _memory.empty((rows, cols), grad.dtype, grad.device)
+    table_grad = sdk.empty((rows, cols), grad.dtype, grad.device)
     # Row numbers of a shard fit int32, which sorts ~1.5x faster than int64.
     order_ids, order = torch.sort(ids.to(torch.int32) if rows < 2**31 else ids)
     source = bag.index_select(0, order)
@@ -168,7 +168,7 @@ Block = tuple[int, int, int]  # (start in the flat buffer, first column, number 
 
 
 def _place(flat: torch.Tensor, blocks: list[Block], rows: int, cols: int) -> torch.Tensor:
-    out = _memory.empty((rows, cols), flat.dtype, flat.device)
+    out = sdk.empty((rows, cols), flat.dtype, flat.device)
     for start, first, width in blocks:
         out[:, first : first + width] = flat[start : start + rows * width].view(rows, width)
     return out
@@ -183,7 +183,7 @@ class _PlaceColumns(Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         # One flat gradient written block by block (slicing views in autograd would zero-fill a buffer per block).
-        flat_grad = _memory.empty((ctx.numel,), grad.dtype, grad.device)
+        flat_grad = sdk.empty((ctx.numel,), grad.dtype, grad.device)
         for start, first, width in ctx.blocks:
             flat_grad[start : start + ctx.rows * width].view(ctx.rows, width).copy_(grad[:, first : first + width])
         return flat_grad, None, None, None

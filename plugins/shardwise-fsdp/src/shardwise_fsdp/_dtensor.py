@@ -38,8 +38,9 @@ from shardwise import (
     EnumerableShardingSpec,
     ShardMetadata,
     ShardedTensor,
+    TensorProperties,
 )
-from shardwise._comm.default_group import resolve_group
+from shardwise.sdk import resolve_group
 from shardwise.sharded_tensor import Shard as LocalShard
 
 __all__ = ["from_dtensor", "to_dtensor"]
@@ -130,8 +131,6 @@ def _at(nested: Any, coord: Sequence[int]) -> int:
 
 
 def _properties(dt: DTensor) -> Any:
-    from shardwise import TensorProperties
-
     return TensorProperties(dtype=dt.dtype, requires_grad=dt.requires_grad)
 
 

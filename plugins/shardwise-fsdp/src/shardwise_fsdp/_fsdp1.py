@@ -27,8 +27,15 @@ from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
+import torch.distributed.fsdp.fully_sharded_data_parallel as fsdp_impl
+from torch.distributed.fsdp import FullyShardedDataParallel
+from torch.distributed.fsdp._common_utils import _set_fsdp_flattened
 from torch.distributed.fsdp._fsdp_extensions import FSDPExtensions
-from torch.distributed.tensor import DTensor, DeviceMesh
+from torch.distributed.fsdp._shard_utils import _all_gather_dtensor, _create_chunk_dtensor
+from torch.distributed.fsdp._traversal_utils import _get_fsdp_handles, _get_fsdp_states
+from torch.distributed.tensor import DTensor, DeviceMesh, Replicate, Shard
+from torch.distributed.tensor.parallel.fsdp import _all_gather_dtensor as _all_gather_tp_dtensor
+from torch.distributed.tensor.parallel.fsdp import _chunk_dtensor, _flatten_tensor, _unflatten_tensor
 
 from shardwise import ChunkShardingSpec, ShardedTensor, TensorProperties
 from shardwise.sharded_tensor import Shard as LocalShard
@@ -57,16 +64,11 @@ class ShardwiseFSDPExtensions(FSDPExtensions):
     def pre_flatten_transform(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Optional[Any]]:
         """DTensor parameters (TP) flatten to their local tensor, as with torch's extension; others as they are."""
         if isinstance(tensor, DTensor):
-            from torch.distributed.tensor.parallel.fsdp import _flatten_tensor
-
             return _flatten_tensor(tensor)
         return tensor, None
 
     def post_unflatten_transform(self, tensor: torch.Tensor, param_extension: Any) -> torch.Tensor:
         """The inverse of :meth:`pre_flatten_transform` (a DTensor again for TP parameters)."""
-        from torch.distributed.fsdp._common_utils import _set_fsdp_flattened
-        from torch.distributed.tensor.parallel.fsdp import _unflatten_tensor
-
         # As torch's extension: on an accelerator the DTensor is built on FSDP's compute stream.
         handle = getattr(torch, tensor.device.type, None) if tensor.device.type != "cpu" else None
         stream = self.compute_stream or (handle.current_stream() if handle is not None else None)
@@ -120,11 +122,7 @@ class ShardwiseFSDPExtensions(FSDPExtensions):
     def chunk_dtensor(self, tensor: torch.Tensor, rank: int, device_mesh: DeviceMesh) -> torch.Tensor:
         """FSDP's DTensor state dicts (FSDP given a ``device_mesh``) are left to torch, with or without TP."""
         if _is_tensor_parallel(device_mesh):
-            from torch.distributed.tensor.parallel.fsdp import _chunk_dtensor
-
             return _chunk_dtensor(tensor, rank, device_mesh)
-        from torch.distributed.fsdp._shard_utils import _create_chunk_dtensor
-
         return _create_chunk_dtensor(tensor, rank, device_mesh)
 
     def pre_load_state_dict_transform(self, tensor: torch.Tensor) -> tuple[torch.Tensor, list[Any]]:
@@ -155,12 +153,8 @@ class ShardwiseFSDPExtensions(FSDPExtensions):
     def all_gather_dtensor(self, tensor: DTensor, parent_mesh: Optional[DeviceMesh]) -> torch.Tensor:
         """FSDP's DTensor state dicts are left to torch (the FSDP mesh dims gathered, the TP dim kept)."""
         if self.tensor_parallel:
-            from torch.distributed.tensor.parallel.fsdp import _all_gather_dtensor as gather_tp
-
-            result: torch.Tensor = gather_tp(tensor, parent_mesh)
+            result: torch.Tensor = _all_gather_tp_dtensor(tensor, parent_mesh)
             return result
-        from torch.distributed.fsdp._shard_utils import _all_gather_dtensor
-
         result = _all_gather_dtensor(tensor, parent_mesh)
         return result
 
@@ -197,8 +191,6 @@ def _chunk_dtensor_param(
     dt: DTensor, rank: int, world_size: int, pg: dist.ProcessGroup, device: Optional[torch.device]
 ) -> ShardedTensor:
     """FSDP chunks of a tensor-parallel DTensor's local tensor, nested in its TP layout."""
-    from torch.distributed.tensor import Replicate, Shard
-
     mesh = dt.device_mesh
     if mesh.ndim != 1:
         raise ValueError(
@@ -249,9 +241,6 @@ def install(fsdp_module: torch.nn.Module, extension: Optional[FSDPExtensions] = 
         TypeError: ``fsdp_module`` contains no ``FullyShardedDataParallel``
             (for ``fully_shard``/FSDP2 models use ``state_dict_from_dtensors``).
     """
-    from torch.distributed.fsdp import FullyShardedDataParallel
-    from torch.distributed.fsdp._traversal_utils import _get_fsdp_handles, _get_fsdp_states
-
     if not isinstance(fsdp_module, torch.nn.Module) or not any(
         isinstance(m, FullyShardedDataParallel) for m in fsdp_module.modules()
     ):
@@ -327,8 +316,6 @@ def install_on_wrap(extension: Optional[FSDPExtensions] = None) -> Iterator[FSDP
     Raises:
         RuntimeError: this torch has no such function to replace.
     """
-    import torch.distributed.fsdp.fully_sharded_data_parallel as fsdp_impl
-
     original = getattr(fsdp_impl, "_init_extension", None)
     if original is None:
         raise RuntimeError(

@@ -5,15 +5,17 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Iterable
 
+import torch
+import torch.distributed as dist
+
 from shardwise import Availability, Backend, Group, LaunchInfo, hookimpl
+from shardwise.torch_group import init_torch_process_group
 
 __all__ = ["shardwise_backends"]
 
 
 def is_available() -> Availability:
     """Whether this torch build has gloo."""
-    import torch.distributed as dist
-
     if not dist.is_available():
         return Availability(False, "this torch build has no torch.distributed")
     if not dist.is_gloo_available():
@@ -23,10 +25,6 @@ def is_available() -> Availability:
 
 def create_group(launch: LaunchInfo, timeout: timedelta) -> Group:
     """Rendezvous through the launcher's MASTER_ADDR/MASTER_PORT and make a gloo group."""
-    import torch
-
-    from shardwise.torch_group import init_torch_process_group
-
     return init_torch_process_group("gloo", launch, timeout, device=torch.device("cpu"))
 
 

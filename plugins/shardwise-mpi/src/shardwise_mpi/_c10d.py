@@ -4,12 +4,18 @@
 """torch.distributed backend ``"mpi4py"``: c10d collectives over mpi4py, in Python.
 
 PyPI's torch wheels are built without ``ProcessGroupMPI``. After
-``import shardwise_mpi`` (which calls :func:`register`), torch-native code runs
-over MPI from a plain ``pip install``::
+:func:`shardwise_mpi.register_torch_backend` (which calls :func:`register`),
+torch-native code runs over MPI from a plain ``pip install``::
 
     # mpiexec -n 2 python train.py
     import shardwise_mpi, torch.distributed as dist
+    shardwise_mpi.register_torch_backend()
     dist.init_process_group("mpi4py")      # no MASTER_ADDR/RANK needed
+
+Importing ``shardwise_mpi`` (or this module) registers nothing: the plugin
+manager imports the package to find backend ``"mpi"``, and ``shardwise info``
+or a gloo run must leave torch.distributed's backends and rendezvous
+handlers as they were (DESIGN.md §3).
 
 How it plugs into torch 2.13:
 
@@ -40,7 +46,10 @@ How it plugs into torch 2.13:
   When the variables are set, torch's handler runs unchanged. The same
   bootstrap is available explicitly as ``init_method="mpi4py://"``.
 * Registration imports neither mpi4py nor MPI: both are imported when a
-  group (or an MPI rendezvous) is created.
+  group (or an MPI rendezvous) is created. It happens only when asked, through
+  :func:`register` (public as ``shardwise_mpi.register_torch_backend``);
+  shardwise's own backend ``"mpi"`` does not call it, as its groups talk to
+  MPI directly and never go through torch.distributed.
 """
 
 from __future__ import annotations
@@ -49,6 +58,7 @@ import importlib
 import json
 import os
 import socket
+import threading
 from datetime import timedelta
 from typing import Any, Iterator, Optional, Sequence
 
@@ -76,6 +86,8 @@ _RENDEZVOUS_VARS = ("MASTER_ADDR", "MASTER_PORT")
 _ADDRESS_BYTES = 1024
 
 _registered = False
+# Two threads registering at once must not both wrap torch's env:// handler.
+_register_lock = threading.Lock()
 
 
 def _mpi() -> Any:
@@ -91,6 +103,11 @@ def _mpi() -> Any:
 
 
 def _collectives() -> Any:
+    """:mod:`shardwise_mpi._collectives`, imported when a group is made.
+
+    Imported here rather than at the top because it imports ``mpi4py.MPI``,
+    which initialises MPI: registering and rendezvous must not.
+    """
     from shardwise_mpi import _collectives
 
     return _collectives
@@ -104,19 +121,20 @@ def _completed(result: Any) -> Any:
     return torch._C._distributed_c10d._create_work_from_future(fut)  # type: ignore[attr-defined]
 
 
-def _op(opts: Any) -> tuple[str, Any]:
-    """The shared module's name for ``opts.reduceOp`` (a ``ReduceOp``), and PREMUL_SUM's factor (else None).
+def _op(opts: Any) -> tuple[Any, Any]:
+    """The op to hand to :mod:`shardwise_mpi._collectives` for ``opts.reduceOp``, and PREMUL_SUM's factor (else None).
 
-    PREMUL_SUM (FSDP2 with ``set_gradient_divide_factor``) is a sum of the
-    inputs each multiplied by the factor (a float or a one-element tensor):
-    the callers scale, then sum.
+    The op is torch's ``RedOpType`` (``ReduceOp`` wraps one): the collectives
+    read it with the one reduce-op vocabulary (``shardwise.sdk``), so this
+    backend names no ops of its own. PREMUL_SUM (FSDP2 with
+    ``set_gradient_divide_factor``) is a sum of the inputs each multiplied by
+    the factor (a float or a one-element tensor): the callers scale, then sum.
     """
     op = opts.reduceOp
     kind = getattr(op, "op", op)  # ReduceOp wraps a RedOpType enum
-    name = str(getattr(kind, "name", kind)).rsplit(".", 1)[-1].lower()
-    if name == "premul_sum":
+    if kind == dist.ReduceOp.PREMUL_SUM:
         return "sum", op.factor
-    return name, None
+    return kind, None
 
 
 def _scaled(t: torch.Tensor, factor: Any, in_place: bool) -> torch.Tensor:
@@ -466,31 +484,46 @@ def _wrap_env_handler(original: Any) -> Any:
         return result
 
     handler._shardwise_mpi = True  # type: ignore[attr-defined]
+    handler.__wrapped__ = original  # type: ignore[attr-defined]  # what it falls back to, for inspection
     return handler
 
 
 def register() -> None:
-    """Register backend ``"mpi4py"`` and the MPI rendezvous with torch.distributed (idempotent).
+    """Register backend ``"mpi4py"`` and the MPI rendezvous with torch.distributed.
 
-    Imports no MPI. Afterwards ``torch.distributed.init_process_group("mpi4py")``
-    works under ``mpiexec``/``mpirun``/``srun`` with no rendezvous variables.
+    Idempotent and thread-safe; imports no MPI. Afterwards
+    ``torch.distributed.init_process_group("mpi4py")`` works under
+    ``mpiexec``/``mpirun``/``srun`` with no rendezvous variables. Changes three
+    torch globals, which is why nothing calls it on import: the backend
+    ``"mpi4py"``, the rendezvous scheme ``mpi4py://``, and torch's ``env://``
+    handler, wrapped so that it falls back to MPI when ``MASTER_ADDR``/
+    ``MASTER_PORT`` are missing in a process an MPI launcher started.
+
+    Example::
+
+        import shardwise_mpi, torch.distributed as dist
+        shardwise_mpi.register_torch_backend()
+        dist.init_process_group("mpi4py")
     """
     global _registered
     if _registered or not dist.is_available():
         return
-    # ``torch.distributed.rendezvous`` is also a function: import the module by name.
-    rdzv = importlib.import_module("torch.distributed.rendezvous")
+    with _register_lock:
+        if _registered:
+            return
+        # ``torch.distributed.rendezvous`` is also a function: import the module by name.
+        rdzv = importlib.import_module("torch.distributed.rendezvous")
 
-    if BACKEND_NAME.upper() not in dist.Backend._plugins:
-        # Claim CUDA only where there is one: code that asks the backend for its
-        # preferred device (torch's ShardedTensor.gather, for one) takes any
-        # non-CPU device registered and would fail on a CPU-only host.
-        devices = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
-        dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=devices)
-    handlers = rdzv._rendezvous_handlers
-    if "mpi4py" not in handlers:
-        rdzv.register_rendezvous_handler("mpi4py", _mpi_rendezvous_handler)
-    env = handlers.get("env")
-    if env is not None and not getattr(env, "_shardwise_mpi", False):
-        handlers["env"] = _wrap_env_handler(env)
-    _registered = True
+        if BACKEND_NAME.upper() not in dist.Backend._plugins:
+            # Claim CUDA only where there is one: code that asks the backend for its
+            # preferred device (torch's ShardedTensor.gather, for one) takes any
+            # non-CPU device registered and would fail on a CPU-only host.
+            devices = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
+            dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=devices)
+        handlers = rdzv._rendezvous_handlers
+        if "mpi4py" not in handlers:
+            rdzv.register_rendezvous_handler("mpi4py", _mpi_rendezvous_handler)
+        env = handlers.get("env")
+        if env is not None and not getattr(env, "_shardwise_mpi", False):
+            handlers["env"] = _wrap_env_handler(env)
+        _registered = True

@@ -21,9 +21,12 @@ Conventions:
 * ``counts`` are numbers of *elements* (of the tensors' dtype), one per rank
   of ``comm``; ``out`` and ``inp`` are read as flat arrays (any shape, any
   layout). ``inp`` and ``out`` of one call have the same dtype.
-* ``op`` is one of :data:`REDUCE_OPS` (``"sum"``, ``"avg"``, ``"min"``,
-  ``"max"``, ``"product"``, and the bitwise ``"band"``, ``"bor"``,
-  ``"bxor"``; ``"prod"`` and ``"mean"`` are accepted aliases).
+* ``op`` is any form ``shardwise.sdk.normalize_reduce_op`` reads (a name of
+  ``shardwise.sdk.REDUCE_OPS`` or an alias, a torch ``ReduceOp``), or one of
+  torch's bitwise ops :data:`BITWISE_OPS` (``"band"``, ``"bor"``,
+  ``"bxor"``), which the ``"mpi4py"`` torch backend must implement and
+  shardwise's own vocabulary does not name. Which names exist is the SDK's
+  business; mapping them to ``MPI.Op`` objects is this module's.
 * Zero-copy: a contiguous CPU tensor is handed to MPI as its own memory
   (``MPI.buffer.fromaddress``, so bfloat16 and every other dtype works without
   a numpy dtype). A non-contiguous or requires-grad input is made contiguous
@@ -63,8 +66,10 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from mpi4py import MPI
 
+from shardwise import sdk
+
 __all__ = [
-    "REDUCE_OPS",
+    "BITWISE_OPS",
     "allgatherv",
     "allreduce",
     "alltoallv",
@@ -73,14 +78,16 @@ __all__ = [
     "cuda_aware",
     "gatherv",
     "mpi_datatype",
+    "normalize_op",
     "overlaps",
     "reduce_scatter",
     "reduction_dtype",
     "scatterv",
 ]
 
-REDUCE_OPS: tuple[str, ...] = ("sum", "avg", "min", "max", "product", "band", "bor", "bxor")
-_ALIASES = {"prod": "product", "mean": "avg", "add": "sum"}
+#: torch.distributed's bitwise ops (``ReduceOp.BAND`` ...): the ``"mpi4py"``
+#: torch backend implements them, shardwise's vocabulary (``sdk.REDUCE_OPS``) has no such names.
+BITWISE_OPS: tuple[str, ...] = ("band", "bor", "bxor")
 
 _MPI_OPS = {
     "sum": MPI.SUM,
@@ -127,15 +134,23 @@ _ALLTOALL_TAG = 7011
 
 
 def normalize_op(op: Any) -> str:
-    """``"sum"``, ``"PROD"``, ``ReduceOp.MAX`` ... as one of :data:`REDUCE_OPS`.
+    """``"sum"``, ``"PROD"``, ``ReduceOp.MAX`` ... as one of ``sdk.REDUCE_OPS`` or :data:`BITWISE_OPS`.
 
     Raises:
         ValueError: not a reduction this module implements.
     """
+    # The bitwise names are not shardwise's: read them here, everything else through the SDK.
     name = op.lower() if isinstance(op, str) else str(getattr(op, "name", op)).rsplit(".", 1)[-1].lower()
-    name = _ALIASES.get(name, name)
-    if name not in REDUCE_OPS:
-        raise ValueError(f"unsupported reduce op {op!r}; use one of {', '.join(REDUCE_OPS)}")
+    if name in BITWISE_OPS:
+        return name
+    try:
+        name = sdk.normalize_reduce_op(op)
+    except ValueError:
+        name = ""
+    # Also catches a name a newer SDK adds before this module maps it to an MPI op.
+    if name not in _MPI_OPS:
+        known = ", ".join(n for n in (*sdk.REDUCE_OPS, *BITWISE_OPS) if n in _MPI_OPS)
+        raise ValueError(f"unsupported reduce op {op!r}; use one of {known}") from None
     return name
 
 

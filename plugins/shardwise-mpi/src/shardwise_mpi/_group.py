@@ -3,18 +3,19 @@
 The primitives delegate to :mod:`shardwise_mpi._collectives` (shared with the
 torch.distributed backend); uneven sizes go straight to MPI's v-variants
 (Allgatherv, Reduce_scatter, Gatherv, Scatterv; a pairwise Sendrecv
-exchange for all-to-all) with no padding.
-``exchange`` is the base class's JSON over all-gather: no rank ever
-unpickles what a peer sent (mpi4py's lowercase object methods are not used).
+exchange for all-to-all) with no padding. Agreements are the base class's
+JSON over all-gather: no rank ever unpickles what a peer sent (mpi4py's
+lowercase object methods are not used).
 
-With ``verify=False`` the collectives whose sizes every rank knows take a
-direct path for the common case — contiguous CPU tensors of a dtype MPI
-reduces natively, a reduce op plainly defined on it, consecutive
-``reduce_scatter`` inputs, ``out=`` buffers — handing the caller's memory to
+The group also offers the base class's *direct paths*
+(``_direct_all_reduce`` ...): once a public collective has checked its
+arguments (and, when verifying, agreed on them), the common case —
+contiguous CPU tensors of a dtype MPI reduces natively, consecutive
+``reduce_scatter`` inputs, ``out=`` buffers — hands the caller's memory to
 MPI with a few attribute checks instead of the base class's general
 plumbing (which costs tens of microseconds a call, as much as moving a
-megabyte). Anything outside that case goes through the base class, which
-validates it and raises the usual errors; results are identical either way.
+megabyte). Anything else declines and takes the general path; results are
+identical either way.
 """
 
 from __future__ import annotations
@@ -26,16 +27,14 @@ from typing import Any, Optional, Sequence
 import torch
 from mpi4py import MPI
 
-from shardwise import Group
-
-from shardwise._comm import buffers as _memory
-from shardwise._comm.default_group import DEFAULT_TIMEOUT
+from shardwise.sdk import DEFAULT_TIMEOUT, REDUCE_OPS, Group, empty_like
 from shardwise_mpi import _collectives as C
 from shardwise_mpi._watchdog import Watchdog
 
-# Ops the direct path takes, by name or torch ReduceOp name; anything else
-# (bitwise ops, aliases, unknown names) takes the validated path.
-_DIRECT_OPS = frozenset({"sum", "avg", "min", "max", "product"})
+# The core hands the direct paths a reduce op already normalised to one of
+# the SDK's names; those MPI reduces natively. Should the vocabulary grow,
+# only the ops listed here take the direct path.
+_DIRECT_OPS = frozenset(REDUCE_OPS) & {"sum", "avg", "min", "max", "product"}
 # Dtypes whose MPI datatype reduces natively and whose every op above is
 # defined (complex and bool have op restrictions, half types are upcast).
 _DIRECT_DTYPES = frozenset(
@@ -43,7 +42,7 @@ _DIRECT_DTYPES = frozenset(
 )
 
 
-def _plain(t: Any) -> bool:
+def _plain(t: torch.Tensor) -> bool:
     """A tensor MPI can read or write in place: contiguous, dense, on the CPU, no lazy conj/neg bit."""
     return (
         (type(t) is torch.Tensor or type(t) is torch.nn.Parameter)
@@ -55,27 +54,10 @@ def _plain(t: Any) -> bool:
     )
 
 
-def _op_name(op: Any, dtype: torch.dtype) -> Optional[str]:
-    """``op``'s name when the direct path may reduce ``dtype`` with it, else None."""
-    name = op if isinstance(op, str) else getattr(op, "name", None)
-    if not isinstance(name, str):
-        name = str(op).rsplit(".", 1)[-1]
-    name = name.lower()
-    if name not in _DIRECT_OPS or dtype not in _DIRECT_DTYPES:
-        return None
-    if name == "avg" and not dtype.is_floating_point:
-        return None
-    return name
+def _reducible(op: str, dtype: torch.dtype) -> bool:
+    """Whether the direct path may reduce ``dtype`` with ``op`` (already checked as defined for it)."""
+    return op in _DIRECT_OPS and dtype in _DIRECT_DTYPES
 
-
-def _splits(given: Optional[Sequence[int]], rows: int, size: int) -> Optional[list[int]]:
-    """Per-rank row counts: ``given`` if valid, an equal split when None; None when invalid."""
-    if given is None:
-        return None if rows % size else [rows // size] * size
-    values = list(given)
-    if len(values) != size or any(type(v) is not int or v < 0 for v in values) or sum(values) != rows:
-        return None
-    return values
 
 __all__ = ["MpiGroup"]
 
@@ -136,87 +118,67 @@ class MpiGroup(Group):
         self._timeout = timeout
         self._watch = Watchdog(timeout, lambda: f"rank {self.rank} of {self.size}")
 
-    # -- direct paths (verify=False, plain tensors); see the module docstring --
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
-        if self.verify or not _plain(tensor) or type(src) is not int or not 0 <= src < self.size:
-            return super().broadcast(tensor, src)
-        with self._watch("broadcast"):
-            return C.bcast(self.comm, tensor, src)
+    # -- direct paths (arguments already checked and agreed); see the module docstring --
+    def _direct_broadcast(self, tensor: torch.Tensor, src: int) -> bool:
+        if not _plain(tensor):
+            return False
+        with self._watch(self._describe("broadcast")):
+            C.bcast(self.comm, tensor, src)
+        return True
 
-    def all_reduce(self, tensor: torch.Tensor, op: Any = "sum") -> torch.Tensor:
-        name = None if self.verify or not _plain(tensor) else _op_name(op, tensor.dtype)
-        if name is None:
-            return super().all_reduce(tensor, op)
-        with self._watch("all_reduce"):
-            return C.allreduce(self.comm, tensor, name)
+    def _direct_all_reduce(self, tensor: torch.Tensor, op: str) -> bool:
+        if not (_plain(tensor) and _reducible(op, tensor.dtype)):
+            return False
+        with self._watch(self._describe("all_reduce")):
+            C.allreduce(self.comm, tensor, op)
+        return True
 
-    def all_gather(self, tensor: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
-        if (
-            self.verify
-            or out is None
-            or not (_plain(tensor) and _plain(out))
-            or out.dtype != tensor.dtype
-            or tuple(out.shape) != ((self.size * tensor.shape[0], *tensor.shape[1:]) if tensor.dim() else (self.size,))
-        ):
-            return super().all_gather(tensor, out=out)
-        with self._watch("all_gather"):
+    def _direct_all_gather(self, tensor: torch.Tensor, out: torch.Tensor) -> bool:
+        if not (_plain(tensor) and _plain(out)):
+            return False
+        with self._watch(self._describe("all_gather")):
             C.allgatherv(self.comm, out, tensor, [tensor.numel()] * self.size)
-        return list(out.unbind(0)) if tensor.dim() == 0 else list(out.chunk(self.size))
+        return True
 
-    def reduce_scatter(
-        self, inputs: Sequence[torch.Tensor], op: Any = "sum", *, out: Optional[torch.Tensor] = None
-    ) -> torch.Tensor:
-        direct = not self.verify and isinstance(inputs, (list, tuple)) and len(inputs) == self.size
-        if direct:
-            mine = inputs[self.rank]
-            joined = self._consecutive(inputs) if all(_plain(t) for t in inputs) else None
-            name = _op_name(op, mine.dtype) if joined is not None else None
-            if out is None and name is not None:
-                out = _memory.empty_like(mine)
-            if (name is not None and joined is not None and out is not None and _plain(out)
-                    and out.dtype == mine.dtype and out.shape == mine.shape):
-                with self._watch("reduce_scatter"):
-                    return C.reduce_scatter(self.comm, out, joined, [t.numel() for t in inputs], name)
-        return super().reduce_scatter(inputs, op, out=out)
+    def _direct_reduce_scatter(
+        self, inputs: Sequence[torch.Tensor], joined: Optional[torch.Tensor], op: str, out: Optional[torch.Tensor]
+    ) -> Optional[torch.Tensor]:
+        mine = inputs[self.rank]
+        if joined is None or not (_plain(joined) and _reducible(op, mine.dtype)):
+            return None
+        if out is None:
+            out = empty_like(mine)
+        elif not _plain(out):
+            return None
+        with self._watch(self._describe("reduce_scatter")):
+            return C.reduce_scatter(self.comm, out, joined, [t.numel() for t in inputs], op)
 
-    def all_to_all_single(
-        self,
-        tensor: torch.Tensor,
-        output_split_sizes: Optional[Sequence[int]] = None,
-        input_split_sizes: Optional[Sequence[int]] = None,
-        *,
-        out: Optional[torch.Tensor] = None,
-    ) -> torch.Tensor:
-        if not self.verify and _plain(tensor) and tensor.dim() > 0 and (out is None or _plain(out)):
-            trailing = tuple(tensor.shape[1:])
-            ins = _splits(input_split_sizes, tensor.shape[0], self.size)
-            outs: Optional[list[int]] = None
-            if out is not None and out.dim() > 0 and out.dtype == tensor.dtype and tuple(out.shape[1:]) == trailing:
-                outs = _splits(output_split_sizes, out.shape[0], self.size)
-            elif out is None and output_split_sizes is not None:
-                outs = _splits(output_split_sizes, sum(output_split_sizes), self.size)
-            if ins is not None and outs is not None:
-                result = out if out is not None else _memory.empty_like(tensor, (sum(outs), *trailing))
-                per_row = math.prod(trailing)
-                with self._watch("all_to_all"):
-                    C.alltoallv(self.comm, result, [o * per_row for o in outs], tensor, [i * per_row for i in ins])
-                return result
-        return super().all_to_all_single(tensor, output_split_sizes, input_split_sizes, out=out)
+    def _direct_all_to_all_single(
+        self, tensor: torch.Tensor, outs: Sequence[int], ins: Sequence[int], out: Optional[torch.Tensor]
+    ) -> Optional[torch.Tensor]:
+        if not _plain(tensor) or (out is not None and not _plain(out)):
+            return None
+        trailing = tuple(tensor.shape[1:])
+        result = out if out is not None else empty_like(tensor, (sum(outs), *trailing))
+        per_row = math.prod(trailing)
+        with self._watch(self._describe("all_to_all")):
+            C.alltoallv(self.comm, result, [o * per_row for o in outs], tensor, [i * per_row for i in ins])
+        return result
 
     # -- primitives ------------------------------------------------------------
     def _reduction_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return C.reduction_dtype(dtype)
 
     def _barrier(self) -> None:
-        with self._watch("barrier"):
+        with self._watch(self._describe("barrier")):
             C.barrier(self.comm)
 
     def _broadcast(self, buf: torch.Tensor, src: int) -> None:
-        with self._watch("broadcast"):
+        with self._watch(self._describe("broadcast")):
             C.bcast(self.comm, buf, src)
 
     def _all_reduce(self, buf: torch.Tensor, op: str) -> None:
-        with self._watch("all_reduce"):
+        with self._watch(self._describe("all_reduce")):
             C.allreduce(self.comm, buf, op)
 
     def _all_gather(self, out: torch.Tensor, inp: torch.Tensor, counts: Sequence[int]) -> None:
@@ -224,28 +186,28 @@ class MpiGroup(Group):
             C.allgatherv(self.comm, out, inp, counts)
 
     def _reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, counts: Sequence[int], op: str) -> None:
-        with self._watch("reduce_scatter"):
+        with self._watch(self._describe("reduce_scatter")):
             C.reduce_scatter(self.comm, out, inp, counts, op)
 
     def _all_to_all(
         self, out: torch.Tensor, out_counts: Sequence[int], inp: torch.Tensor, in_counts: Sequence[int]
     ) -> None:
-        with self._watch("all_to_all"):
+        with self._watch(self._describe("all_to_all")):
             C.alltoallv(self.comm, out, out_counts, inp, in_counts)
 
     def _gather(self, out: Optional[torch.Tensor], counts: Sequence[int], inp: torch.Tensor, dst: int) -> None:
-        with self._watch("gather"):
+        with self._watch(self._describe("gather")):
             C.gatherv(self.comm, out, inp, counts, dst)
 
     def _scatter(self, out: torch.Tensor, inp: Optional[torch.Tensor], counts: Sequence[int], src: int) -> None:
-        with self._watch("scatter"):
+        with self._watch(self._describe("scatter")):
             C.scatterv(self.comm, out, inp, counts, src)
 
     def _new_group(self, ranks: Sequence[int]) -> Optional[Group]:
         # Split is collective over this group, which new_group already is;
         # non-members pass MPI.UNDEFINED and get COMM_NULL back.
         member = self.rank in ranks
-        with self._watch("new_group"):
+        with self._watch(self._describe("new_group")):
             sub = self.comm.Split(0 if member else MPI.UNDEFINED, self.rank)
         if not member:
             return None

@@ -27,6 +27,8 @@ from datetime import timedelta
 from types import TracebackType
 from typing import Any, Callable, Optional
 
+from shardwise.errors import PeerLostError
+
 __all__ = ["ABORT_GRACE", "EXIT_CODE", "Watchdog"]
 
 #: Exit status of a process whose collective timed out (as ``timeout(1)``).
@@ -37,6 +39,8 @@ ABORT_GRACE = 5.0
 
 def _abort(code: int) -> None:
     """``MPI.COMM_WORLD.Abort(code)`` (the caller has armed the ``os._exit`` fallback)."""
+    # Heavy optional import: importing mpi4py.MPI initialises MPI, which this
+    # module must not do when imported (its tests, a process that never runs MPI).
     from mpi4py import MPI
 
     MPI.COMM_WORLD.Abort(code)
@@ -54,6 +58,8 @@ _ARGUMENT_ERRORS = (
 def _transport_failure(error: BaseException) -> bool:
     """Whether an mpi4py exception reports a failed peer or transport rather than a bad argument."""
     try:
+        # Heavy optional import (it initialises MPI); see _abort. Only reached
+        # with an mpi4py exception in hand, when MPI is loaded already.
         from mpi4py import MPI
 
         kind = error.Get_error_class()  # type: ignore[attr-defined]
@@ -141,8 +147,6 @@ class Watchdog:
         op, self._op = self._op_next, None
         if value is not None and type(value).__module__.startswith("mpi4py") and _transport_failure(value):
             # MPI reported the failure itself (a peer's connection reset).
-            from shardwise.errors import PeerLostError
-
             raise PeerLostError(
                 f"{self._where()}: {op} on {self._backend} failed: {value}. A peer has probably died or "
                 "stopped calling collectives; see the other ranks' logs. The group cannot be used any more."

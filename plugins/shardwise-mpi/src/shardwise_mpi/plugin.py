@@ -2,7 +2,12 @@
 
 Importing this module imports neither mpi4py nor libmpi: ``shardwise info``
 and backend selection must not initialise MPI. MPI is initialised only in
-:func:`create_group`, when the backend has been chosen.
+:func:`create_group`, when the backend has been chosen. Nothing here
+registers the torch.distributed backend ``"mpi4py"`` either, not even
+:func:`create_group`: a shardwise ``"mpi"`` group calls MPI directly and
+never goes through torch.distributed, so choosing it must leave torch's
+backends and rendezvous handlers alone. Torch-native code in the same job
+calls :func:`shardwise_mpi.register_torch_backend` first.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from types import TracebackType
 from typing import Iterable, Optional
 
 from shardwise import Availability, Backend, Group, LaunchInfo, hookimpl
+from shardwise.errors import LaunchError
 
 __all__ = ["create_group", "install_abort_hook", "is_available", "shardwise_backends"]
 
@@ -24,6 +30,7 @@ def is_available() -> Availability:
     """Whether mpi4py imports and finds an MPI library (without initialising MPI)."""
     if sys.modules.get("mpi4py.MPI") is not None:
         return Availability(True)
+    # mpi4py is an optional dependency probed here, not imported with the module (see the module docstring).
     try:
         import mpi4py
     except ImportError:
@@ -50,6 +57,7 @@ def install_abort_hook() -> None:
     previous hook), flushes, and calls ``MPI.COMM_WORLD.Abort(1)``: the
     launcher then kills every rank and exits non-zero.
     """
+    # Imported on use: importing mpi4py.MPI initialises MPI.
     from mpi4py import MPI
 
     previous = sys.excepthook
@@ -95,9 +103,8 @@ def create_group(launch: LaunchInfo, timeout: timedelta) -> Group:
             (for example ``backend="mpi"`` under torchrun, where every
             process is its own MPI world).
     """
+    # Imported on use: MPI starts here, when the backend has been chosen, not when the plugin loads.
     import mpi4py
-
-    from shardwise.errors import LaunchError
 
     # MPI_Init_thread(MPI_THREAD_MULTIPLE) on import, unless already done.
     mpi4py.rc.thread_level = "multiple"
@@ -114,6 +121,7 @@ def create_group(launch: LaunchInfo, timeout: timedelta) -> Group:
         )
     if world.Get_size() > 1:
         install_abort_hook()
+    # Imports mpi4py.MPI: only once MPI is initialised with the thread level above.
     from shardwise_mpi._group import MpiGroup
 
     # A duplicate keeps shardwise's messages apart from the user's own MPI calls on COMM_WORLD.

@@ -16,6 +16,7 @@ import os
 import sys
 from typing import Any
 
+import shardwise_mpi
 import shardwise_mpi._c10d as c10d
 import shardwise_mpi._collectives as C
 import torch
@@ -65,6 +66,7 @@ class TensorOps(TorchDispatchMode):
 
 
 def main() -> None:
+    shardwise_mpi.register_torch_backend()
     dist.init_process_group("mpi4py")
     rank, n = dist.get_rank(), dist.get_world_size()
     pg = dist.group.WORLD

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 
+import shardwise_mpi
 import shardwise_mpi._c10d as c10d
 import torch
 import torch.distributed as dist
@@ -17,8 +18,8 @@ import torch.distributed as dist
 def main() -> None:
     for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
         assert var not in os.environ, f"{var} is set: this program tests init without rendezvous variables"
-    c10d.register()
-    c10d.register()  # idempotent
+    shardwise_mpi.register_torch_backend()
+    shardwise_mpi.register_torch_backend()  # idempotent
     dist.init_process_group("mpi4py")
     rank, n = dist.get_rank(), dist.get_world_size()
     assert dist.get_backend() == "mpi4py", dist.get_backend()

@@ -1,6 +1,7 @@
 """Run under ``mpiexec -n N`` with a shared directory as argv[1]: DTensor and DCP over backend "mpi4py".
 
-Importing ``shardwise_mpi`` must be all it takes to make ``init_process_group("mpi4py")``
+Importing ``shardwise_mpi`` registers nothing; after the documented
+``shardwise_mpi.register_torch_backend()``, ``init_process_group("mpi4py")`` must
 work (no rendezvous variables). Prints ``OK <rank> <checks>`` at the end.
 """
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 
-import shardwise_mpi  # noqa: F401 - registers backend "mpi4py"
+import shardwise_mpi
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -18,7 +19,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 
 def main(ckpt_dir: str) -> None:
-    assert "MPI4PY" in dist.Backend._plugins, "import shardwise_mpi must register backend mpi4py (_c10d.register())"
+    assert "MPI4PY" not in dist.Backend._plugins, "import shardwise_mpi must not register backend mpi4py"
+    shardwise_mpi.register_torch_backend()
+    assert "MPI4PY" in dist.Backend._plugins, "register_torch_backend() must register backend mpi4py"
     dist.init_process_group("mpi4py")
     rank, n = dist.get_rank(), dist.get_world_size()
     checks = []

@@ -11,13 +11,13 @@ import signal
 import sys
 from datetime import timedelta
 
-import shardwise_mpi._c10d as c10d
+import shardwise_mpi
 import torch
 import torch.distributed as dist
 
 
 def main() -> None:
-    c10d.register()
+    shardwise_mpi.register_torch_backend()
     dist.init_process_group("mpi4py", timeout=timedelta(seconds=4))
     t = torch.ones(8)
     dist.all_reduce(t)  # the group works ...

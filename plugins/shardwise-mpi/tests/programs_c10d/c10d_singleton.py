@@ -12,13 +12,13 @@ from __future__ import annotations
 import os
 import sys
 
-import shardwise_mpi._c10d as c10d
+import shardwise_mpi
 import torch
 import torch.distributed as dist
 
 
 def main(mode: str) -> None:
-    c10d.register()
+    shardwise_mpi.register_torch_backend()
     assert "mpi4py" not in sys.modules, "registration must not import mpi4py"
     if mode == "none":
         try:

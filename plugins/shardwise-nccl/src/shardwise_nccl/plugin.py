@@ -1,29 +1,27 @@
 """Registers backend ``"nccl"`` through the ``shardwise_backends`` hook.
 
 CUDA is touched only inside :func:`is_available` and :func:`create_group`,
-never at import.
+never at import (importing torch initialises no CUDA).
 """
 
 from __future__ import annotations
 
 import os
 from datetime import timedelta
-from typing import TYPE_CHECKING, Iterable
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
 
 from shardwise import Availability, Backend, Group, LaunchInfo, hookimpl
 from shardwise.errors import BackendUnavailableError
-
-if TYPE_CHECKING:
-    import torch
+from shardwise.torch_group import init_torch_process_group
 
 __all__ = ["create_group", "is_available", "local_device", "shardwise_backends"]
 
 
 def is_available() -> Availability:
     """Whether CUDA and NCCL are usable here, and if not, why."""
-    import torch
-    import torch.distributed as dist
-
     if not dist.is_available():
         return Availability(False, "this torch build has no torch.distributed")
     if torch.version.cuda is None:
@@ -44,8 +42,6 @@ def local_device(launch: LaunchInfo) -> torch.device:
         BackendUnavailableError: more ranks on this node than CUDA devices
             (NCCL refuses two ranks on one device).
     """
-    import torch
-
     count = torch.cuda.device_count()
     if launch.local_rank >= count or (launch.local_world_size or 0) > count:
         ranks = launch.local_world_size or launch.local_rank + 1
@@ -58,10 +54,6 @@ def local_device(launch: LaunchInfo) -> torch.device:
 
 def create_group(launch: LaunchInfo, timeout: timedelta) -> Group:
     """Bind this rank to ``cuda:<local rank>`` and make an NCCL group."""
-    import torch
-
-    from shardwise.torch_group import init_torch_process_group
-
     device = local_device(launch)
     torch.cuda.set_device(device)
     return init_torch_process_group("nccl", launch, timeout, device=device)

@@ -1,35 +1,90 @@
-"""The handshake that precedes every collective, and local argument checks.
+"""The agreement every collective starts with: one row per rank, one verdict on all.
 
-Each rank encodes its call into one fixed-width int64 row (:class:`Call`);
-:class:`Rows` decodes the table of every rank's rows that the all-gather
-returns. The row width depends only on the group size, so ranks that call
-different collectives still exchange rows of the same size and can detect it.
+Each rank encodes its call into one fixed-width int64 row (:class:`Call`)
+and the ranks all-gather the rows; :class:`Rows` decodes the table. The row
+width depends only on the group size, so ranks that call different
+collectives still exchange rows of the same size and can detect it.
+
+A row carries the rank's *status*: 0, or the kind of error its own check
+raised (:data:`AGREED_ERRORS`), with the error's type and message in the
+row's spare words. Every rank sees every row, so every rank reaches the same
+verdict: the rank at fault raises its own error, the others raise the
+:class:`PeerError` that :func:`peer_error` words, and no data moves.
+
+Small JSON payloads (an :meth:`~shardwise.Group.agree` with ``gather=True``)
+travel in the same spare words, so agreeing on them costs one collective.
+
+While a backend primitive runs, :class:`CallLabel` (an immutable record in a
+context variable, so threads and nested calls each see their own) says
+which user call it belongs to, so a transport error names ``shard_tensor``
+rather than the all-gather that carried its handshake.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+import contextlib
+import contextvars
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
 from shardwise._vocab import wire as _wire
+from shardwise.errors import CollectiveMismatchError, PeerError, PeerLostError
+
+__all__ = [
+    "AGREED_ERRORS",
+    "NOT_AGREED",
+    "Call",
+    "CallLabel",
+    "Rows",
+    "check_same",
+    "check_tensor_rows",
+    "current_label",
+    "failed_call",
+    "inline_capacity",
+    "labelled",
+    "peer_error",
+    "raise_verdict",
+]
 
 _OPS = (
     "barrier", "broadcast", "all_reduce", "all_gather", "reduce_scatter",
-    "all_to_all", "scatter", "gather", "exchange", "new_group",
+    "all_to_all", "scatter", "gather", "exchange", "new_group", "agree",
 )
-STATUS_ERRORS: tuple[type[Exception], ...] = (TypeError, ValueError, IndexError)
-#: Public name of :data:`STATUS_ERRORS` (the plugin SDK's): the error kinds an agreement carries to the peers.
-AGREED_ERRORS = STATUS_ERRORS
-_HEADER = 8  # op, dtype, status, ndim, root, reduce op, count, reserved
+
+#: The error kinds a rank's failed check is reported to its peers as, most
+#: specific first (the first one an error is an instance of names it). A
+#: rank's error of any other ``Exception`` type is reported too, under its
+#: own class name: an agreement exists so that no rank is left waiting.
+AGREED_ERRORS: tuple[type[Exception], ...] = (TypeError, ValueError, IndexError, KeyError, NotImplementedError)
+#: Errors a check may raise that are not agreed on but raised at once: the
+#: group itself is gone (a collective inside the check lost a peer), so one
+#: more collective could only fail again or wait. (A PeerError or
+#: CollectiveMismatchError from a nested collective *is* agreed on: every
+#: rank then still joins, and each raises its own error.)
+NOT_AGREED: tuple[type[Exception], ...] = (PeerLostError,)
+
+_HEADER = 8  # op, dtype, status, ndim, root, reduce op, count, inline bytes
 _MAX_DIMS = 16
 NO_TENSOR = -1
+_OTHER = len(AGREED_ERRORS) + 1  # status of an error of no listed kind
+
+
+def inline_capacity(size: int) -> int:
+    """Bytes a row of a group of ``size`` ranks carries beyond its header (the dims and splits words)."""
+    return 8 * (_MAX_DIMS + 2 * size)
 
 
 @dataclass
 class Call:
-    """One rank's description of its call, as carried by the handshake."""
+    """One rank's description of its call, as carried by the handshake.
+
+    ``inline`` is up to :func:`inline_capacity` bytes carried in the words
+    that tensor collectives use for shapes and splits (the two never meet
+    in one row): an agreement's JSON payload, or a failed rank's error.
+    """
 
     op: str
     dtype: Optional[torch.dtype] = None
@@ -39,15 +94,23 @@ class Call:
     count: int = 0
     splits_a: Sequence[int] = ()
     splits_b: Sequence[int] = ()
+    status: int = 0
+    inline: bytes = b""
 
     def encode(self, size: int) -> list[int]:
         row = [0] * (_HEADER + _MAX_DIMS + 2 * size)
         row[0] = _OPS.index(self.op)
         row[1] = _wire.dtype_code(self.dtype) if self.dtype is not None else NO_TENSOR
+        row[2] = self.status
         row[3] = NO_TENSOR if self.shape is None else len(self.shape)
         row[4] = self.root
         row[5] = _wire.REDUCE_OPS.index(self.reduce_op) if self.reduce_op else NO_TENSOR
         row[6] = self.count
+        if self.inline:
+            words = (len(self.inline) + 7) // 8
+            row[7] = len(self.inline)
+            row[_HEADER:_HEADER + words] = struct.unpack(f"<{words}q", self.inline.ljust(8 * words, b"\0"))
+            return row
         if self.shape is not None:
             if len(self.shape) > _MAX_DIMS + 1:
                 raise ValueError(f"collectives take tensors of at most {_MAX_DIMS + 1} dims, got {len(self.shape)}")
@@ -73,6 +136,9 @@ class Rows:
         code = self.table[r][1]
         return None if code == NO_TENSOR else _wire.DTYPES[code]
 
+    def status(self, r: int) -> int:
+        return self.table[r][2]
+
     def ndim(self, r: int) -> int:
         return self.table[r][3]
 
@@ -91,6 +157,13 @@ class Rows:
     def count(self, r: int) -> int:
         return self.table[r][6]
 
+    def inline(self, r: int) -> bytes:
+        """The bytes rank r carried in its row (see :class:`Call`)."""
+        length = self.table[r][7]
+        words = (length + 7) // 8
+        values = self.table[r][_HEADER:_HEADER + words]
+        return struct.pack(f"<{words}q", *values)[:length]
+
     def splits_a(self, r: int) -> list[int]:
         base = _HEADER + _MAX_DIMS
         return self.table[r][base:base + self.size]
@@ -100,17 +173,103 @@ class Rows:
         return self.table[r][base:base + self.size]
 
 
-def prod(values: Sequence[int]) -> int:
-    out = 1
-    for v in values:
-        out *= v
-    return out
+# -- the label backends' errors name ------------------------------------------------
+@dataclass(frozen=True)
+class CallLabel:
+    """Which user call a backend primitive is running for, while it runs.
+
+    Attributes:
+        owner: The group the label belongs to (a primitive of another group
+            running meanwhile is not labelled by it).
+        call: The user's call (``"all_reduce"``, ``"shard_tensor"``).
+        agreeing: The primitive carries the call's handshake, not its data.
+    """
+
+    owner: object = field(compare=False, repr=False)
+    call: str
+    agreeing: bool = False
+
+    def describe(self) -> str:
+        return f"{self.call} (agreeing on its arguments)" if self.agreeing else self.call
 
 
-def rows_of(shape: tuple[int, ...]) -> int:
-    """Length along dim 0, with a 0-d tensor counted as one row."""
-    return shape[0] if shape else 1
+_LABEL: contextvars.ContextVar[Optional[CallLabel]] = contextvars.ContextVar("shardwise_call_label", default=None)
 
+
+def current_label(owner: object) -> Optional[CallLabel]:
+    """The label of the innermost running call of ``owner``, or None."""
+    label = _LABEL.get()
+    return label if label is not None and label.owner is owner else None
+
+
+@contextlib.contextmanager
+def labelled(label: CallLabel) -> Iterator[None]:
+    """Run the block under ``label`` (restored on exit, so calls nest; each thread has its own)."""
+    token = _LABEL.set(label)
+    try:
+        yield
+    finally:
+        _LABEL.reset(token)
+
+
+# -- failures -----------------------------------------------------------------------
+def _kind_status(error: Exception) -> int:
+    return 1 + next((i for i, kind in enumerate(AGREED_ERRORS) if isinstance(error, kind)), len(AGREED_ERRORS))
+
+
+def failed_call(error: Exception, size: int) -> Call:
+    """The row of a rank whose check raised ``error``: its kind, and its type and message as far as they fit."""
+    status = _kind_status(error)
+    name = AGREED_ERRORS[status - 1].__name__ if status != _OTHER else type(error).__name__
+    text = f"{name}\n{' '.join(str(error).split())}".encode()
+    room = inline_capacity(size)
+    if len(text) > room:
+        text = text[:room - 3] + b"..."
+    return Call(op="barrier", status=status, inline=text)
+
+
+def peer_error(op: str, failures: Sequence[tuple[int, str, str]]) -> PeerError:
+    """The one wording of the error a rank raises when peers rejected their part of ``op``.
+
+    Args:
+        op: The call this rank made (``"all_reduce"``, ``"shard_tensor"``).
+        failures: ``(rank, error kind, message)`` of each rank at fault.
+    """
+    kinds = ", ".join(f"rank {r} ({kind})" for r, kind, _ in failures)
+    shown = "; ".join(f"rank {r}: {message}" for r, _, message in failures if message)
+    detail = f" ({shown})" if shown else ""
+    verb = "rejected its arguments" if len(failures) == 1 else "rejected their arguments"
+    return PeerError(
+        f"{op}: {kinds} {verb}, so no data was sent{detail}; see that rank's traceback for the cause"
+    )
+
+
+def raise_verdict(rows: Rows, op: str, check_ops: bool = True) -> None:
+    """Raise the verdict every rank reaches from the same rows (the caller has raised its own error first).
+
+    Raises:
+        PeerError: a rank's check failed.
+        CollectiveMismatchError: ranks called different collectives, or
+            disagree on the root or the reduce op.
+    """
+    failed = [r for r in range(rows.size) if rows.status(r) != 0]
+    if failed:
+        failures = []
+        for r in failed:
+            name, _, message = rows.inline(r).decode(errors="replace").partition("\n")
+            failures.append((r, name or "error", message))
+        raise peer_error(op, failures)
+    if not check_ops:
+        return
+    ops = {rows.op(r) for r in range(rows.size)}
+    if len(ops) > 1:
+        calls = ", ".join(f"rank {r}: {rows.op(r)}" for r in range(rows.size))
+        raise CollectiveMismatchError(
+            f"ranks called different collectives at the same point ({calls}); "
+            "every rank must call the same collectives in the same order"
+        )
+    check_same(rows, rows.root, what="root rank")
+    check_same(rows, rows.reduce_op, what="reduce op")
 
 
 def show(value: Any) -> str:
@@ -121,107 +280,26 @@ def show(value: Any) -> str:
     return str(value)
 
 
-def check_tensor(tensor: Any, name: str) -> None:
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-    _wire.dtype_code(tensor.dtype)
-    if tensor.is_sparse or tensor.layout != torch.strided:
-        raise TypeError(f"{name} has layout {tensor.layout}; collectives take dense (strided) tensors")
+def check_same(rows: Rows, get: Callable[[int], Any], *, what: str) -> None:
+    """Raise CollectiveMismatchError (on every rank) unless ``get(r)`` is the same for every rank."""
+    values = {r: get(r) for r in range(rows.size)}
+    if len(set(map(repr, values.values()))) > 1:
+        shown = ", ".join(f"rank {r}: {show(v)}" for r, v in values.items())
+        raise CollectiveMismatchError(f"{rows.op(0)}: ranks disagree on the {what} ({shown})")
 
 
-def check_list(tensors: Any, size: int, name: str) -> tuple[int, ...]:
-    """Validate one tensor per rank; returns the first tensor's shape."""
-    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence):
-        raise TypeError(f"{name} must be a list of {size} tensors, got {type(tensors).__name__}")
-    if len(tensors) != size:
-        raise ValueError(f"{name} must hold one tensor per rank ({size}), got {len(tensors)}")
-    for i, t in enumerate(tensors):
-        check_tensor(t, f"{name}[{i}]")
-    first = tensors[0]
-    for i, t in enumerate(tensors):
-        if t.dtype != first.dtype:
-            raise TypeError(f"{name}[{i}] is {t.dtype} but {name}[0] is {first.dtype}; all must share one dtype")
-        if t.dim() != first.dim() or tuple(t.shape[1:]) != tuple(first.shape[1:]):
-            raise ValueError(
-                f"{name}[{i}] has shape {tuple(t.shape)} but {name}[0] has {tuple(first.shape)}; "
-                "only dim 0 may differ"
+def check_tensor_rows(rows: Rows) -> None:
+    check_same(rows, rows.dtype, what="dtype")
+    check_same(rows, rows.ndim, what="number of dimensions")
+    check_same(rows, rows.trailing, what="shape after dim 0")
+
+
+def check_all_to_all_rows(rows: Rows) -> None:
+    """Raise unless each rank that said what it expects to receive is sent exactly that."""
+    for r in range(rows.size):
+        expected = [rows.splits_a(s)[r] for s in range(rows.size)]
+        if rows.count(r) and rows.splits_b(r) != expected:
+            raise CollectiveMismatchError(
+                f"all_to_all_single: rank {r} expects to receive {rows.splits_b(r)} rows "
+                f"but the ranks send it {expected}"
             )
-    return tuple(first.shape)
-
-
-def check_output(out: Any, dtype: torch.dtype, shape: tuple[int, ...], name: str) -> None:
-    """Validate a caller's preallocated result tensor."""
-    check_tensor(out, name)
-    if out.dtype != dtype:
-        raise TypeError(f"{name} is {out.dtype} but the result is {dtype}")
-    if tuple(out.shape) != tuple(shape):
-        raise ValueError(f"{name} has shape {tuple(out.shape)} but the result has shape {tuple(shape)}")
-
-
-def gathered_shape(shape: tuple[int, ...], size: int) -> tuple[int, ...]:
-    """Shape of ``size`` equal pieces of ``shape`` stacked along dim 0 (0-d pieces make a vector)."""
-    return (size * shape[0], *shape[1:]) if shape else (size,)
-
-
-def consecutive(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
-    """One flat tensor viewing ``tensors`` back to back, if they already lie so in memory.
-
-    ``t.split(...)``/``t.chunk(...)`` of a contiguous ``t`` qualify; then a
-    collective reads them in place instead of concatenating a copy.
-    """
-    first = tensors[0]
-    if first.device.type == "meta" or first.is_conj() or first.is_neg():
-        return None
-    end = first.data_ptr()
-    total = 0
-    for t in tensors:
-        if not t.is_contiguous() or t.is_conj() or t.is_neg() or t.device != first.device:
-            return None
-        if t.dtype != first.dtype or t.shape[1:] != first.shape[1:]:
-            return None
-        if t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or t.data_ptr() != end:
-            return None
-        end += t.numel() * t.element_size()
-        total += t.numel()
-    if total == 0:
-        return None
-    return first.detach().as_strided((total,), (1,), first.storage_offset())
-
-
-def check_splits(splits: Optional[Sequence[int]], total: int, size: int, name: str) -> list[int]:
-    if splits is None:
-        if total % size:
-            raise ValueError(f"{name} not given and dim 0 ({total}) does not divide by the group size ({size})")
-        return [total // size] * size
-    values = list(splits)
-    if len(values) != size or any(not isinstance(v, int) or v < 0 for v in values):
-        raise ValueError(f"{name} must be {size} non-negative ints, got {values!r}")
-    if sum(values) != total:
-        raise ValueError(f"{name} {values} sum to {sum(values)}, but dim 0 has {total} rows")
-    return values
-
-
-def write_back(tensor: torch.Tensor, result: torch.Tensor) -> None:
-    """Copy ``result`` into ``tensor`` unless it already lives in ``tensor``'s memory."""
-    target = tensor.detach()
-    if result.device == target.device and result.untyped_storage().data_ptr() == target.untyped_storage().data_ptr():
-        return
-    target.copy_(result.to(tensor.device))
-
-
-def split_out(
-    out: torch.Tensor,
-    counts: Sequence[int],
-    dims: Sequence[int],
-    shape: tuple[int, ...],
-    dtype: torch.dtype,
-    device: torch.device,
-) -> list[torch.Tensor]:
-    out = out.to(device)
-    pieces = []
-    offset = 0
-    for n, d in zip(counts, dims, strict=True):
-        piece_shape = (d, *shape[1:]) if shape else ()
-        pieces.append(_wire.from_bytes(out[offset:offset + n], dtype, piece_shape))
-        offset += n
-    return pieces

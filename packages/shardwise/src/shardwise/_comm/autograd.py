@@ -33,10 +33,9 @@ from torch.autograd import Function
 from torch.distributed import ReduceOp
 
 from shardwise._comm import buffers as _memory
-
-from shardwise._vocab import wire as _wire
-from shardwise._comm.group import Group
 from shardwise._comm.default_group import resolve_group
+from shardwise._comm.group import Group
+from shardwise._vocab import wire as _wire
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup

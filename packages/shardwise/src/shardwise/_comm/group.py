@@ -1,55 +1,79 @@
 """``Group``: the one interface between the core and a collective backend.
 
-A backend implements a handful of primitives over flat, contiguous tensors
-whose sizes every rank already knows (``_all_gather``, ``_all_to_all`` ...;
-declared with the handshake in :mod:`shardwise._comm.group_base`). ``Group``
-turns them into the public collectives: it validates arguments, agrees on
-shapes and dtypes across ranks, stages tensors the backend cannot move
-natively, and restores shapes and dtypes on the way out.
+A backend implements a handful of *primitives* over flat, contiguous
+tensors whose sizes every rank already knows (``_all_gather``,
+``_all_to_all`` ...). ``Group`` turns them into the public collectives: it
+validates arguments (:mod:`shardwise._comm.checks`), agrees on shapes and
+dtypes across ranks, stages tensors the backend cannot move natively, and
+restores shapes and dtypes on the way out.
 
-Agreement happens in a *handshake*: before the data moves, every rank
-all-gathers one small int64 row describing its call (which collective, the
-dtype, the trailing shape, the per-rank sizes, and whether its own
-arguments were valid). Every rank sees the same rows, so every rank reaches
-the same verdict: either all proceed, or all raise — a rank with a bad
+Agreement happens in a *handshake* (:mod:`shardwise._comm.agreement`):
+before the data moves, every rank all-gathers one small int64 row
+describing its call and whether its own arguments were valid, so every rank
+reaches the same verdict — all proceed, or all raise: the rank with a bad
 argument raises the real error and its peers raise :class:`PeerError`
 naming it, instead of one rank raising while the others wait forever.
 Uneven collectives need the sizes anyway, so for them the handshake is
 free; for the rest it can be turned off with ``verify=False`` (or
 ``SHARDWISE_VERIFY_COLLECTIVES=0``) at the cost of that protection.
+:meth:`Group.agree` offers the same agreement to any code.
+
+A backend may also offer a *direct path* for a validated call
+(``_direct_all_reduce`` ...): the public collective hands it the checked
+arguments after the handshake, and the backend moves the caller's memory
+itself or returns None/False to take the general path. Backends never
+override a public collective.
 """
 
 from __future__ import annotations
 
+import abc
+import contextlib
 import ctypes
-from typing import Any, NoReturn, Optional, Sequence
+import os
+from typing import Any, Callable, Iterator, Literal, NoReturn, Optional, Sequence, TypeVar, overload
 
 import torch
 
 from shardwise._comm import buffers as _memory
-
-from shardwise._vocab import wire as _wire
-from shardwise._comm.group_base import VERIFY_ENV, GroupBase, _global_ranks
 from shardwise._comm.agreement import (
-    STATUS_ERRORS,
+    AGREED_ERRORS,
+    NOT_AGREED,
     Call,
+    CallLabel,
+    Rows,
+    check_all_to_all_rows,
+    check_same,
+    check_tensor_rows,
+    current_label,
+    failed_call,
+    inline_capacity,
+    labelled,
+    raise_verdict,
+)
+from shardwise._comm.checks import (
+    all_to_all_single_call,
     check_list,
     check_output,
-    check_splits,
+    check_root,
     check_tensor,
     consecutive,
     gathered_shape,
+    global_ranks,
     prod,
     rows_of,
     split_out,
     write_back,
 )
-from shardwise.errors import CollectiveMismatchError
+from shardwise._vocab import wire as _wire
 
-__all__ = ["Group", "VERIFY_ENV"]
+__all__ = ["VERIFY_ENV", "Group"]
+
+VERIFY_ENV = "SHARDWISE_VERIFY_COLLECTIVES"
+T = TypeVar("T")
 
 
-class Group(GroupBase):
+class Group(abc.ABC):
     """A set of ranks that run collectives together.
 
     Public collectives are blocking and must be called by every rank of
@@ -75,6 +99,385 @@ class Group(GroupBase):
             parent when its backend does not set them.
     """
 
+    #: False only for the stand-in a rank outside a subgroup gets (see ``NonMemberGroup``).
+    is_member: bool = True
+
+    def __init__(
+        self,
+        *,
+        backend: str,
+        rank: int,
+        size: int,
+        device: torch.device,
+        devices: Sequence[str] = ("cpu",),
+        verify: Optional[bool] = None,
+        ranks: Optional[Sequence[int]] = None,
+    ) -> None:
+        if self.is_member and (size < 1 or not 0 <= rank < size):
+            raise ValueError(f"rank {rank} is outside a group of size {size}")
+        self._backend = backend
+        self._rank = rank
+        self._size = size
+        self._set_global_ranks(ranks)
+        self._device = torch.device(device)
+        self._devices = frozenset(devices)
+        if verify is None:
+            verify = os.environ.get(VERIFY_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+        self.verify = verify
+
+    # -- identity ------------------------------------------------------------
+    @property
+    def backend(self) -> str:
+        """Name of the backend that moves this group's data."""
+        return self._backend
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the group, ``0 <= rank < size``."""
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        """Number of ranks in the group."""
+        return self._size
+
+    @property
+    def device(self) -> torch.device:
+        """Device whose tensors the backend moves natively."""
+        return self._device
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """The global rank of each rank of this group, in group-rank order.
+
+        Placements (``rank:R/DEVICE``) name global ranks (ranks in the
+        default, world group), as in torch (``get_process_group_ranks``).
+        """
+        return tuple(range(self._size)) if self._global_ranks is None else self._global_ranks
+
+    def global_to_group(self) -> Optional[dict[int, int]]:
+        """Group rank by global rank; None when they are the same numbers (the world group, or its first ranks).
+
+        For code that translates many placement ranks at once; None lets it
+        skip the translation.
+        """
+        return None if self._rank_of is None else dict(self._rank_of)
+
+    @property
+    def global_rank(self) -> int:
+        """This process's global rank (its rank in the default, world group)."""
+        return self._rank if self._global_ranks is None else self._global_ranks[self._rank]
+
+    def group_rank(self, global_rank: int) -> int:
+        """The rank in this group of the process whose global rank is ``global_rank``.
+
+        Raises:
+            ValueError: that process is not a member of this group (the
+                message carries torch's wording for the same error).
+        """
+        if self._rank_of is None:
+            if isinstance(global_rank, int) and 0 <= global_rank < self._size:
+                return global_rank
+        elif global_rank in self._rank_of:
+            return self._rank_of[global_rank]
+        raise ValueError(
+            f"global rank {global_rank} is not a member of this group ({self.describe_members()}): "
+            f"Global rank {global_rank} does not exist in input process group: {list(self.ranks)}"
+        )
+
+    def describe_members(self) -> str:
+        """``"0..3"``, or ``"global ranks [1, 2]"`` for a subgroup, for error messages."""
+        if self._global_ranks is None:
+            return f"0..{self._size - 1}"
+        return f"global ranks {list(self._global_ranks)}; placements name global ranks, as in torch"
+
+    def _set_global_ranks(self, ranks: Optional[Sequence[int]]) -> None:
+        """Record the members' global ranks (see ``ranks`` in the class docstring)."""
+        self._global_ranks = global_ranks(ranks, self._size)
+        self._rank_of = None if self._global_ranks is None else {g: r for r, g in enumerate(self._global_ranks)}
+
+    def __repr__(self) -> str:
+        name = type(self).__name__
+        ranks = "" if self._global_ranks is None else f" ranks={list(self._global_ranks)}"
+        return f"<{name} backend={self.backend!r} rank={self.rank} size={self.size}{ranks} device={self.device}>"
+
+    # -- primitives a backend implements -------------------------------------
+    @abc.abstractmethod
+    def _barrier(self) -> None:
+        """Block until every rank has called it."""
+
+    @abc.abstractmethod
+    def _broadcast(self, buf: torch.Tensor, src: int) -> None:
+        """Overwrite ``buf`` on every rank with ``src``'s ``buf``."""
+
+    @abc.abstractmethod
+    def _all_reduce(self, buf: torch.Tensor, op: str) -> None:
+        """Reduce ``buf`` in place with ``op`` (sum, min, max or product)."""
+
+    @abc.abstractmethod
+    def _all_gather(self, out: torch.Tensor, inp: torch.Tensor, counts: Sequence[int]) -> None:
+        """Fill ``out`` with every rank's ``inp`` in rank order; ``counts[r]`` is rank r's length."""
+
+    @abc.abstractmethod
+    def _reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, counts: Sequence[int], op: str) -> None:
+        """Reduce ``inp`` (the concatenation of per-rank chunks of ``counts``) and keep this rank's chunk in ``out``."""
+
+    @abc.abstractmethod
+    def _all_to_all(
+        self, out: torch.Tensor, out_counts: Sequence[int], inp: torch.Tensor, in_counts: Sequence[int]
+    ) -> None:
+        """Send ``in_counts[r]`` elements of ``inp`` to rank r; receive ``out_counts[r]`` from it."""
+
+    @abc.abstractmethod
+    def _new_group(self, ranks: Sequence[int]) -> Optional[Group]:
+        """A group of ``ranks`` (sorted ranks of this group); None on non-members."""
+
+    def _gather(self, out: Optional[torch.Tensor], counts: Sequence[int], inp: torch.Tensor, dst: int) -> None:
+        """Concatenate every rank's ``inp`` into ``out`` on ``dst`` (default: an all-to-all with one receiver)."""
+        in_counts = [0] * self.size
+        in_counts[dst] = inp.numel()
+        out_counts = list(counts) if self.rank == dst else [0] * self.size
+        self._all_to_all(out if out is not None else inp.new_empty(0), out_counts, inp, in_counts)
+
+    def _scatter(self, out: torch.Tensor, inp: Optional[torch.Tensor], counts: Sequence[int], src: int) -> None:
+        """Send chunk r of ``inp`` (lengths ``counts``) from ``src`` to rank r (default: all-to-all, one sender)."""
+        in_counts = list(counts) if self.rank == src else [0] * self.size
+        out_counts = [0] * self.size
+        out_counts[src] = out.numel()
+        self._all_to_all(out, out_counts, inp if inp is not None else out.new_empty(0), in_counts)
+
+    def _reduction_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """Dtype the backend reduces ``dtype`` values in (override to upcast).
+
+        Raises:
+            TypeError: the backend cannot reduce this dtype at all.
+        """
+        return dtype
+
+    def destroy(self) -> None:  # noqa: B027 - backends without resources need not override it
+        """Release the backend's resources; the group is unusable afterwards."""
+
+    # -- direct paths a backend may offer --------------------------------------
+    # Each gets a call whose arguments are checked and (when verifying) agreed
+    # on every rank; it moves the caller's memory itself and returns the
+    # result, or returns None/False (having moved nothing) to take the general
+    # path. Both paths must give identical results.
+    def _direct_broadcast(self, tensor: torch.Tensor, src: int) -> bool:
+        """Broadcast into ``tensor`` in place; False to decline."""
+        return False
+
+    def _direct_all_reduce(self, tensor: torch.Tensor, op: str) -> bool:
+        """Reduce ``tensor`` in place with ``op`` (a ``REDUCE_OPS`` name defined for its dtype); False to decline."""
+        return False
+
+    def _direct_all_gather(self, tensor: torch.Tensor, out: torch.Tensor) -> bool:
+        """Gather every rank's equally sized ``tensor`` into ``out``; False to decline."""
+        return False
+
+    def _direct_reduce_scatter(
+        self, inputs: Sequence[torch.Tensor], joined: Optional[torch.Tensor], op: str, out: Optional[torch.Tensor]
+    ) -> Optional[torch.Tensor]:
+        """Reduce-scatter ``inputs`` (``joined``: one flat view of them when they lie back to back); None to decline."""
+        return None
+
+    def _direct_all_to_all_single(
+        self, tensor: torch.Tensor, outs: Sequence[int], ins: Sequence[int], out: Optional[torch.Tensor]
+    ) -> Optional[torch.Tensor]:
+        """Send ``ins[r]`` rows to rank r, receive ``outs[r]`` rows from it (into ``out`` if given); None to decline."""
+        return None
+
+    @contextlib.contextmanager
+    def unverified(self) -> Iterator[None]:
+        """Run the block's collectives without the per-collective handshake.
+
+        For code that has already agreed with its peers on every size and
+        on which collectives follow (one agreement up front, then several
+        collectives): checking each again would cost a round trip each.
+        Collectives whose sizes only the handshake can tell still run it.
+        ``verify`` is restored on leaving the block.
+
+        Example::
+
+            sizes = group.all_gather_json(my_counts)       # one agreement
+            with group.unverified():
+                out = group.all_to_all_single(data, recv_counts, send_counts)
+        """
+        saved = self.verify
+        self.verify = False
+        try:
+            yield
+        finally:
+            self.verify = saved
+
+    # -- agreement -----------------------------------------------------------
+    def _describe(self, primitive: str) -> str:
+        """What a backend's error message should call the running ``primitive`` (the user's call, if labelled)."""
+        label = current_label(self)
+        return primitive if label is None else label.describe()
+
+    def _wire_device(self, tensor: torch.Tensor) -> Optional[torch.device]:
+        return None if tensor.device.type in self._devices else self._device
+
+    def _handshake(
+        self, prepare: Callable[[], Call], *, required: bool = False, label: Optional[str] = None
+    ) -> tuple[Call, Optional[Rows]]:
+        """Check locally with ``prepare``, then (if verifying or ``required``) agree with every rank.
+
+        ``label`` names the call in a peer's :class:`PeerError` (default:
+        the collective), so an API built on an agreement can say
+        "shard_tensor: rank 1 ... rejected" instead of "exchange: ...".
+        """
+        if not (self.verify or required):
+            return prepare(), None
+        error: Optional[Exception] = None
+        try:
+            call = prepare()
+            row = call.encode(self.size)
+        except NOT_AGREED:
+            raise
+        except Exception as exc:  # noqa: BLE001 - reported to every rank, then re-raised here
+            error = exc
+            call = failed_call(exc, self.size)
+            row = call.encode(self.size)
+        name = label or call.op
+        width = len(row)
+        mine = torch.tensor(row, dtype=torch.int64, device=self._device)
+        table = torch.empty(width * self.size, dtype=torch.int64, device=self._device)
+        with labelled(CallLabel(self, name, agreeing=True)):
+            self._all_gather(table, mine, [width] * self.size)
+        rows = Rows(table.view(self.size, width).tolist(), self.size)
+        if error is not None:
+            try:
+                raise error
+            finally:
+                # The traceback references this frame; dropping the local
+                # breaks the cycle that would keep the group alive until GC.
+                del error
+        raise_verdict(rows, name)
+        return call, rows
+
+    @overload
+    def agree(self, check: Callable[[], T], *, op: str, gather: Literal[False] = False) -> T: ...
+
+    @overload
+    def agree(self, check: Callable[[], Any], *, op: str, gather: Literal[True]) -> list[Any]: ...
+
+    def agree(self, check: Callable[[], Any], *, op: str, gather: bool = False) -> Any:
+        """Run ``check()`` on this rank, then fail together or go on together.
+
+        Every rank of the group must call it at the same point. The ranks
+        exchange one handshake row each, carrying whether their ``check``
+        raised: if any did, every rank raises — the rank at fault its own
+        exception, unchanged, and every other rank :class:`PeerError`
+        naming the failed ranks, their error kinds (see
+        :data:`~shardwise.sdk.AGREED_ERRORS`) and ``op`` — and no data moves.
+        This runs whether or not the group verifies collectives.
+
+        Args:
+            check: This rank's local validation; returns a value (None is fine).
+            op: The API call this agreement belongs to, named in the peers'
+                :class:`PeerError` (``"shard_tensor"``).
+            gather: Also all-gather every rank's value, encoded as strict
+                JSON (never pickled); small values travel in the handshake
+                row itself, so this usually costs no extra collective.
+
+        Returns:
+            ``check()``'s value, or with ``gather=True`` every rank's value
+            in rank order (tuples come back as lists).
+
+        Raises:
+            TypeError: with ``gather=True``, the value is not JSON-safe (on
+                this rank; the peers raise PeerError).
+            PeerError: another rank's ``check`` failed.
+            CollectiveMismatchError: ranks called different collectives.
+        """
+        held: list[Any] = []
+
+        def prepare() -> Call:
+            held.append(check())
+            if not gather:
+                return Call("agree")
+            data = _wire.encode_json(held[0])
+            held.append(data)
+            fits = len(data) <= inline_capacity(self.size)
+            return Call("exchange", count=len(data), inline=data if fits else b"")
+
+        _, rows = self._handshake(prepare, required=True, label=op)
+        if not gather:
+            return held[0]
+        assert rows is not None
+        counts = [rows.count(r) for r in range(self.size)]
+        if max(counts) <= inline_capacity(self.size):
+            parts = [rows.inline(r) for r in range(self.size)]
+        else:
+            parts = self._gather_bytes(held[1], counts, op)
+        return [_wire.decode_json(part, f"rank {r}") for r, part in enumerate(parts)]
+
+    def _gather_bytes(self, data: bytes, counts: Sequence[int], op: str) -> list[bytes]:
+        """Every rank's ``data`` (``counts[r]`` bytes from rank r, already agreed)."""
+        raw = bytearray(data)
+        inp = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+        out = torch.empty(sum(counts), dtype=torch.uint8, device=self._device)
+        with labelled(CallLabel(self, op)):
+            self._all_gather(out, inp.to(self._device), counts)
+        host = out.cpu()
+        joined = ctypes.string_at(host.data_ptr(), host.numel()) if host.numel() else b""
+        offsets = [sum(counts[:r]) for r in range(self.size + 1)]
+        return [joined[offsets[r]:offsets[r + 1]] for r in range(self.size)]
+
+    def all_gather_json(self, obj: Any, *, op: Optional[str] = None) -> list[Any]:
+        """All-gather a small JSON-safe object from every rank (metadata, not tensor data).
+
+        The object is encoded as strict JSON (never pickled), so a peer
+        cannot make this rank run code; tuples come back as lists. This is
+        :meth:`agree` with ``gather=True`` and nothing to check.
+
+        Args:
+            obj: What this rank contributes.
+            op: The API call this belongs to (``"shard_tensor"``), named in
+                the :class:`PeerError` raised here when a peer rejects its
+                part (:meth:`reject`); default the method's own name.
+
+        Returns:
+            ``[obj_of_rank_0, obj_of_rank_1, ...]``.
+
+        Raises:
+            TypeError: ``obj`` is not JSON-safe (on this rank; the others
+                raise :class:`PeerError`, and nothing is sent).
+        """
+        return self.agree(lambda: obj, op=op or "all_gather_json", gather=True)
+
+    def exchange(self, obj: Any, *, op: Optional[str] = None) -> list[Any]:
+        """Alias of :meth:`all_gather_json` (the name ``DESIGN.md`` uses): a JSON all-gather, not a data exchange."""
+        return self.all_gather_json(obj, op=op or "exchange")
+
+    def reject(self, error: Exception, *, op: Optional[str] = None) -> NoReturn:
+        """Fail this rank's part of the collective (or agreement) its peers are entering.
+
+        For code that validated its own arguments before calling a
+        collective: instead of raising alone (and leaving the peers waiting
+        in the collective), the rank joins the handshake with a failure, so
+        every peer raises :class:`PeerError` naming this rank, and this rank
+        raises ``error``. No data moves. Same as :meth:`agree` with a
+        ``check`` that raises ``error``.
+
+        Args:
+            error: An instance of one of :data:`~shardwise.sdk.AGREED_ERRORS`.
+            op: The API call being rejected; see :meth:`agree`.
+
+        Raises:
+            The given ``error`` on this rank (always).
+        """
+        if not isinstance(error, AGREED_ERRORS):
+            kinds = ", ".join(kind.__name__ for kind in AGREED_ERRORS[:-1]) + f" or {AGREED_ERRORS[-1].__name__}"
+            raise TypeError(f"reject() takes a {kinds}, got {type(error).__name__}")
+
+        def check() -> None:
+            raise error
+
+        self.agree(check, op=op or "reject")
+        raise AssertionError("unreachable: the agreement re-raises the rejected error")
+
     # -- public collectives --------------------------------------------------
     def barrier(self) -> None:
         """Block until every rank of the group has reached it."""
@@ -91,14 +494,16 @@ class Group(GroupBase):
         """
 
         def prepare() -> Call:
-            self._check_root(src, "src")
+            check_root(src, self.size, "src")
             check_tensor(tensor, "tensor")
             return Call("broadcast", tensor.dtype, tuple(tensor.shape), root=src, count=tensor.numel())
 
         _, rows = self._handshake(prepare)
         if rows is not None:
-            self._check_tensor_rows(rows)
-            self._check_same(rows, rows.count, what="number of elements")
+            check_tensor_rows(rows)
+            check_same(rows, rows.count, what="number of elements")
+        if self._direct_broadcast(tensor, src):
+            return tensor
         wire = _wire.to_bytes(tensor, self._wire_device(tensor))
         self._broadcast(wire, src)
         write_back(tensor, _wire.from_bytes(wire, tensor.dtype, tuple(tensor.shape)))
@@ -129,8 +534,10 @@ class Group(GroupBase):
 
         call, rows = self._handshake(prepare)
         if rows is not None:
-            self._check_tensor_rows(rows)
-            self._check_same(rows, rows.count, what="number of elements")
+            check_tensor_rows(rows)
+            check_same(rows, rows.count, what="number of elements")
+        if self._direct_all_reduce(tensor, call.reduce_op):
+            return tensor
         wire = _wire.to_wire(tensor, self._wire_device(tensor))
         op_name, kind = self._wire_reduction(tensor.dtype, call.reduce_op)
         buf = wire.to(kind)
@@ -180,15 +587,15 @@ class Group(GroupBase):
 
         _, rows = self._handshake(prepare, required=True)
         assert rows is not None
-        self._check_tensor_rows(rows)
+        check_tensor_rows(rows)
         dims = [rows.count(r) for r in range(self.size)]
         shape = tuple(tensor.shape)
         wire = _wire.to_bytes(tensor, self._wire_device(tensor))
         per_row = tensor.dtype.itemsize * prod(shape[1:])
         counts = [d * per_row for d in dims]
-        out = _memory.empty_like(wire, (sum(counts),))
-        self._all_gather(out, wire, counts)
-        return split_out(out, counts, dims, shape, tensor.dtype, tensor.device)
+        gathered = _memory.empty_like(wire, (sum(counts),))
+        self._all_gather(gathered, wire, counts)
+        return split_out(gathered, counts, dims, shape, tensor.dtype, tensor.device)
 
     def _all_gather_into(self, tensor: torch.Tensor, out: torch.Tensor) -> list[torch.Tensor]:
         def prepare() -> Call:
@@ -198,12 +605,13 @@ class Group(GroupBase):
 
         _, rows = self._handshake(prepare)
         if rows is not None:
-            self._check_tensor_rows(rows)
-            self._check_same(rows, rows.count, what="number of rows (all_gather with out= needs equal sizes)")
-        wire = _wire.to_bytes(tensor, self._wire_device(tensor))
-        target = _wire.to_bytes(out, self._wire_device(out))
-        self._all_gather(target, wire, [wire.numel()] * self.size)
-        write_back(out, _wire.from_bytes(target, out.dtype, tuple(out.shape)))
+            check_tensor_rows(rows)
+            check_same(rows, rows.count, what="number of rows (all_gather with out= needs equal sizes)")
+        if not self._direct_all_gather(tensor, out):
+            wire = _wire.to_bytes(tensor, self._wire_device(tensor))
+            target = _wire.to_bytes(out, self._wire_device(out))
+            self._all_gather(target, wire, [wire.numel()] * self.size)
+            write_back(out, _wire.from_bytes(target, out.dtype, tuple(out.shape)))
         return list(out.unbind(0)) if tensor.dim() == 0 else list(out.chunk(self.size))
 
     def reduce_scatter(
@@ -236,12 +644,15 @@ class Group(GroupBase):
 
         call, rows = self._handshake(prepare)
         if rows is not None:
-            self._check_tensor_rows(rows)
-            self._check_same(rows, rows.splits_a, what="size of each rank's chunk")
+            check_tensor_rows(rows)
+            check_same(rows, rows.splits_a, what="size of each rank's chunk")
+        joined = consecutive(inputs)
+        direct = self._direct_reduce_scatter(inputs, joined, call.reduce_op, out)
+        if direct is not None:
+            return direct
         dtype, device = inputs[0].dtype, inputs[0].device
         shape_r = tuple(inputs[self.rank].shape)
         op_name, kind = self._wire_reduction(dtype, call.reduce_op)
-        joined = consecutive(inputs)
         if joined is not None and self._wire_device(joined) is None:
             inp = _wire.to_wire(joined, None).to(kind)
             counts = [t.numel() * (2 if dtype.is_complex else 1) for t in inputs]
@@ -281,16 +692,16 @@ class Group(GroupBase):
 
         _, rows = self._handshake(prepare, required=True)
         assert rows is not None
-        self._check_tensor_rows(rows)
+        check_tensor_rows(rows)
         dtype, device, shape = inputs[0].dtype, inputs[0].device, tuple(inputs[0].shape)
         recv_dims = [rows.splits_a(r)[self.rank] for r in range(self.size)]
         flat = [_wire.to_bytes(t, self._wire_device(t)) for t in inputs]
         inp = torch.cat(flat)
         per_row = dtype.itemsize * prod(shape[1:])
         out_counts = [d * per_row for d in recv_dims]
-        out = _memory.empty_like(inp, (sum(out_counts),))
-        self._all_to_all(out, out_counts, inp, [t.numel() for t in flat])
-        return split_out(out, out_counts, recv_dims, shape, dtype, device)
+        received = _memory.empty_like(inp, (sum(out_counts),))
+        self._all_to_all(received, out_counts, inp, [t.numel() for t in flat])
+        return split_out(received, out_counts, recv_dims, shape, dtype, device)
 
     def all_to_all_single(
         self,
@@ -317,39 +728,21 @@ class Group(GroupBase):
             The received rows: ``out`` when given, else a new tensor of
             ``sum(output_split_sizes)`` rows.
         """
-
-        def prepare() -> Call:
-            check_tensor(tensor, "tensor")
-            if tensor.dim() == 0:
-                raise ValueError("all_to_all_single needs a tensor with at least one dimension")
-            rows_in = tensor.shape[0]
-            ins = check_splits(input_split_sizes, rows_in, self.size, "input_split_sizes")
-            outs = list(output_split_sizes) if output_split_sizes is not None else []
-            if out is not None:
-                if out.dim() == 0:
-                    raise ValueError("all_to_all_single: out needs at least one dimension")
-                check_output(out, tensor.dtype, (out.shape[0], *tensor.shape[1:]), "out")
-                outs = check_splits(output_split_sizes, out.shape[0], self.size, "output_split_sizes")
-            elif output_split_sizes is not None:
-                check_splits(outs, sum(outs), self.size, "output_split_sizes")
-            return Call("all_to_all", tensor.dtype, tuple(tensor.shape), count=int(bool(outs) or out is not None),
-                        splits_a=ins, splits_b=outs)
-
         need = output_split_sizes is None and out is None
-        call, rows = self._handshake(prepare, required=need)
+        call, rows = self._handshake(
+            lambda: all_to_all_single_call(tensor, output_split_sizes, input_split_sizes, out, self.size),
+            required=need,
+        )
         ins = list(call.splits_a)
         if rows is not None:
-            self._check_tensor_rows(rows)
+            check_tensor_rows(rows)
+            check_all_to_all_rows(rows)
             outs = [rows.splits_a(r)[self.rank] for r in range(self.size)]
-            for r in range(self.size):
-                expected = [rows.splits_a(s)[r] for s in range(self.size)]
-                if rows.count(r) and rows.splits_b(r) != expected:
-                    raise CollectiveMismatchError(
-                        f"all_to_all_single: rank {r} expects to receive {rows.splits_b(r)} rows "
-                        f"but the ranks send it {expected}"
-                    )
         else:
             outs = list(call.splits_b)
+        direct = self._direct_all_to_all_single(tensor, outs, ins, out)
+        if direct is not None:
+            return direct
         shape = tuple(tensor.shape)
         per_row = tensor.dtype.itemsize * prod(shape[1:])
         wire = _wire.to_bytes(tensor, self._wire_device(tensor))
@@ -377,7 +770,7 @@ class Group(GroupBase):
         """
 
         def prepare() -> Call:
-            self._check_root(src, "src")
+            check_root(src, self.size, "src")
             if self.rank != src:
                 return Call("scatter", root=src)
             if tensors is None:
@@ -399,13 +792,13 @@ class Group(GroupBase):
             flat = [_wire.to_bytes(t, self._wire_device(t)) for t in tensors]
             inp: Optional[torch.Tensor] = torch.cat(flat)
             device = tensors[src].device
-            out = _memory.empty_like(flat[0], (my_rows * per_row,))
+            piece = _memory.empty_like(flat[0], (my_rows * per_row,))
         else:
             inp, device = None, self._device
-            out = _memory.empty((my_rows * per_row,), torch.uint8, self._device)
+            piece = _memory.empty((my_rows * per_row,), torch.uint8, self._device)
         counts = [n * per_row for n in rows.splits_a(src)]
-        self._scatter(out, inp, counts, src)
-        return _wire.from_bytes(out, dtype, out_shape).to(device)
+        self._scatter(piece, inp, counts, src)
+        return _wire.from_bytes(piece, dtype, out_shape).to(device)
 
     def gather(self, tensor: torch.Tensor, dst: int = 0) -> Optional[list[torch.Tensor]]:
         """Collect every rank's ``tensor`` on ``dst``.
@@ -417,92 +810,23 @@ class Group(GroupBase):
         """
 
         def prepare() -> Call:
-            self._check_root(dst, "dst")
+            check_root(dst, self.size, "dst")
             check_tensor(tensor, "tensor")
             return Call("gather", tensor.dtype, tuple(tensor.shape), root=dst, count=rows_of(tuple(tensor.shape)))
 
         _, rows = self._handshake(prepare, required=True)
         assert rows is not None
-        self._check_tensor_rows(rows)
+        check_tensor_rows(rows)
         shape = tuple(tensor.shape)
         per_row = tensor.dtype.itemsize * prod(shape[1:])
         dims = [rows.count(r) for r in range(self.size)]
         counts = [d * per_row for d in dims]
         wire = _wire.to_bytes(tensor, self._wire_device(tensor))
-        out = _memory.empty_like(wire, (sum(counts),)) if self.rank == dst else None
-        self._gather(out, counts, wire, dst)
-        if out is None:
+        gathered = _memory.empty_like(wire, (sum(counts),)) if self.rank == dst else None
+        self._gather(gathered, counts, wire, dst)
+        if gathered is None:
             return None
-        return split_out(out, counts, dims, shape, tensor.dtype, tensor.device)
-
-    def exchange(self, obj: Any, *, op: Optional[str] = None) -> list[Any]:
-        """All-gather a small JSON-safe object from every rank.
-
-        The object is encoded as strict JSON (never pickled), so a peer
-        cannot make this rank run code; tuples come back as lists.
-
-        Args:
-            obj: What this rank contributes.
-            op: The API call this exchange belongs to (``"shard_tensor"``),
-                named in the :class:`PeerError` raised here when a peer
-                rejects its part (:meth:`reject`); default ``"exchange"``.
-
-        Returns:
-            ``[obj_of_rank_0, obj_of_rank_1, ...]``.
-
-        Raises:
-            TypeError: ``obj`` is not JSON-safe (on this rank; the others
-                raise :class:`PeerError`, and nothing is sent).
-        """
-        payload: list[bytes] = []
-
-        def prepare() -> Call:
-            payload.append(_wire.encode_json(obj))
-            return Call("exchange", count=len(payload[0]))
-
-        _, rows = self._handshake(prepare, required=True, label=op)
-        assert rows is not None
-        counts = [rows.count(r) for r in range(self.size)]
-        raw = bytearray(payload[0])
-        inp = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
-        out = torch.empty(sum(counts), dtype=torch.uint8, device=self._device)
-        self._moving = op
-        try:
-            self._all_gather(out, inp.to(self._device), counts)
-        finally:
-            self._moving = None
-        host = out.cpu()
-        data = ctypes.string_at(host.data_ptr(), host.numel()) if host.numel() else b""
-        results, offset = [], 0
-        for r, n in enumerate(counts):
-            results.append(_wire.decode_json(data[offset:offset + n], f"rank {r}"))
-            offset += n
-        return results
-
-    def reject(self, error: Exception, *, op: Optional[str] = None) -> NoReturn:
-        """Fail this rank's part of the collective its peers are entering.
-
-        For code that validates its own arguments before calling a
-        collective: instead of raising alone (and leaving the peers waiting
-        in the collective), the rank joins the handshake with a failure, so
-        every peer raises :class:`PeerError` naming this rank, and this rank
-        raises ``error``. No data moves.
-
-        Args:
-            error: A ``TypeError``, ``ValueError`` or ``IndexError``.
-            op: The API call being rejected; see :meth:`exchange`.
-
-        Raises:
-            The given ``error`` on this rank (always).
-        """
-        if not isinstance(error, STATUS_ERRORS):
-            raise TypeError(f"reject() takes a TypeError, ValueError or IndexError, got {type(error).__name__}")
-
-        def prepare() -> Call:
-            raise error
-
-        self._handshake(prepare, required=True, label=op)
-        raise AssertionError("unreachable: the handshake re-raises the rejected error")
+        return split_out(gathered, counts, dims, shape, tensor.dtype, tensor.device)
 
     def new_group(self, ranks: Sequence[int]) -> Optional[Group]:
         """A sub-group of ``ranks`` (ranks of this group), made collectively.
@@ -519,24 +843,17 @@ class Group(GroupBase):
             if not members or len(set(members)) != len(members):
                 raise ValueError(f"new_group: ranks must be distinct and non-empty, got {members!r}")
             for r in members:
-                self._check_root(r, "rank")
-            mask = [1 if r in members else 0 for r in range(self.size)]
-            return Call("new_group", splits_a=mask)
+                check_root(r, self.size, "rank")
+            return Call("new_group", splits_a=[1 if r in members else 0 for r in range(self.size)])
 
         call, rows = self._handshake(prepare)
         if rows is not None:
             # Compare the member lists, not the 0/1 masks that carry them (which read like rank lists).
-            self._check_same(rows, lambda r: [m for m, flag in enumerate(rows.splits_a(r)) if flag],
-                             what="members of the new group")
+            check_same(rows, lambda r: [m for m, flag in enumerate(rows.splits_a(r)) if flag],
+                       what="members of the new group")
         members = [r for r, flag in enumerate(call.splits_a) if flag]
         sub = self._new_group(members)
         if sub is not None and sub._global_ranks is None:
             # The backend numbered the sub-group only within itself; its members' global ranks follow from ours.
             sub._set_global_ranks([self.ranks[m] for m in members])
         return sub
-
-    def _set_global_ranks(self, ranks: Sequence[int]) -> None:
-        """Record the members' global ranks after construction (see ``ranks`` in the class docstring)."""
-        self._global_ranks = _global_ranks(ranks, self._size)
-        self._rank_of = None if self._global_ranks is None else {g: r for r, g in enumerate(self._global_ranks)}
-

@@ -1,35 +1,55 @@
-"""Planning a layout change from metadata alone: which box each rank copies, sends and receives.
+"""The transfer plan: one rank's part of a layout change, decided from metadata alone.
 
-:func:`plan` intersects the source shards with the target shards (boxes of
-one tensor, each placed on a rank) and lists, for one rank, the pieces it
-copies locally, sends to each peer and receives from each peer, in an
-order sender and receiver agree on without talking. :mod:`shardwise._layout.redistribute`
-then moves the data.
+A layout change moves a tensor's data from one set of shards (boxes of the
+tensor, each placed on a rank) to another. :func:`plan` intersects the
+source shards with the target shards and returns, for one rank, a
+:class:`TransferPlan`: a frozen record of the boxes (:class:`Piece`) it
+copies locally, sends to each peer and receives from each peer, in an order
+sender and receiver agree on without talking, together with the decisions
+about how they move:
 
-A plan can also be cut into rounds (:func:`rounds_needed`,
-:func:`restrict`): the same pieces clipped to slabs of dim 0, moved one
-slab per all-to-all. Why: with more than two ranks a rank's outgoing
-pieces are seldom back to back in its shard, nor its incoming ones in
-the new shard, so one all-to-all needs a send buffer and a receive buffer
-of up to the whole shard each, next to the new shard; cut in slabs, each
-round's buffers are a fraction of that, and a reshard stays within twice
-the local shard.
+* ``send_view``: the outgoing pieces lie back to back in one source shard,
+  so they are sent straight from a view of it (no send buffer, no packing
+  copy);
+* ``recv_view``: the incoming pieces lie back to back in one target shard,
+  so they are received straight into a view of it (no receive buffer, no
+  unpacking copy); ``recv_whole`` when they fill that shard exactly, so the
+  receive buffer itself can become the shard (nothing to allocate for it);
+* ``rounds``: how many dim-0 slabs this rank needs so that its send and
+  receive buffers stay within its shard size (see below).
+
+:mod:`shardwise._layout.redistribute` executes plans and reads these fields;
+the memory bound (``rounds``) reads the same fields, so what the bound
+counts is what execution allocates. Nothing here looks at a tensor: a plan
+assumes contiguous shards of the wire dtype, and the executor falls back to
+a copy where a tensor is not one. (Not to be confused with the sharding
+plans of :mod:`shardwise._modules`, which say how to shard a module's
+parameters.)
+
+Why rounds: with more than two ranks a rank's outgoing pieces are seldom
+back to back in its shard, nor its incoming ones in the new shard, so one
+all-to-all needs a send buffer and a receive buffer of up to the whole
+shard each, next to the new shard. A plan can be cut into slabs of dim 0
+(:func:`slab_plans`, :func:`restrict`), each its own plan moved by its own
+all-to-all; each round's buffers are a fraction of the whole, and a
+reshard stays within twice the local shard.
 """
 
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, replace
 from typing import Mapping, Optional, Sequence
 
-from shardwise._vocab.metadata import ShardMetadata, ShardedTensorMetadata
+from shardwise._vocab.metadata import ShardMetadata, ShardedTensorMetadata, intersect
 
 __all__ = [
-    "MAX_ROUNDS", "Piece", "Plan", "owners", "plan", "restrict", "rounds_needed", "row_major_start", "run_span",
-    "slabs",
+    "MAX_ROUNDS", "Piece", "Run", "TransferPlan", "owners", "plan", "restrict", "rounds_needed", "row_major_start",
+    "run_span", "slab_plans", "slabs",
 ]
 
-#: Most rounds :func:`rounds_needed` asks for (each round is one all-to-all).
+#: Most rounds a plan asks for (each round is one all-to-all).
 MAX_ROUNDS = 8
 
 
@@ -57,13 +77,33 @@ class Piece:
 
 
 @dataclass(frozen=True)
-class Plan:
-    """What one rank copies locally, sends and receives in a redistribution.
+class Run:
+    """A stretch ``[start, end)`` of one shard's row-major memory that a rank's pieces fill back to back.
+
+    Attributes:
+        shard: Index of the shard (source or target, as the field holding
+            the run says) in its metadata.
+        start: Flat index of the first element.
+        end: Flat index one past the last element.
+    """
+
+    shard: int
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    """What one rank copies locally, sends and receives in a layout change, and how.
 
     ``send[r]`` and ``recv[r]`` list pieces in (target index, source index)
     order, which is the order rank r packs and unpacks them in, so sender
     and receiver agree without exchanging anything. ``send[rank]`` and
     ``recv[rank]`` are empty: those pieces are in ``local``.
+
+    The decision fields are made once, by :func:`plan` (or
+    :func:`restrict` for a slab), from the shard shapes; the executor and
+    the memory bound both read them and never work them out again.
 
     Attributes:
         rank: The rank this plan is for.
@@ -75,6 +115,24 @@ class Plan:
             the same on every rank, so all skip the collective together.
         src_owner: The group rank holding each source shard.
         dst_owner: The group rank holding each target shard.
+        size: Size of the whole tensor.
+        src_shapes: Size of each source shard (for cutting into slabs).
+        dst_shapes: Size of each target shard.
+        send_view: Where every outgoing piece lies, back to back in wire
+            order, in one source shard: sent from a view of it, not packed
+            (None: packed into a send buffer).
+        recv_view: Where every incoming piece goes, back to back in wire
+            order, in one target shard: received into a view of it, not
+            unpacked (None: received into a buffer and unpacked).
+        recv_whole: The target shard that ``recv_view`` covers exactly,
+            when the receive buffer may itself become that shard (it is not
+            pinned, and the plan is not a slab of a larger one, whose targets
+            exist before the first round); else None.
+        rounds: Fewest dim-0 slabs (1, 2, 4, 8, else one per row, at most
+            :data:`MAX_ROUNDS`) in which every slab's buffers hold at most as
+            many elements as this rank's larger shard (source or target);
+            1 for a slab. Ranks may need different counts: the caller
+            agrees on the largest.
     """
 
     rank: int
@@ -83,8 +141,15 @@ class Plan:
     send: tuple[tuple[Piece, ...], ...]
     recv: tuple[tuple[Piece, ...], ...]
     needs_wire: bool
-    src_owner: tuple[int, ...] = ()
-    dst_owner: tuple[int, ...] = ()
+    src_owner: tuple[int, ...]
+    dst_owner: tuple[int, ...]
+    size: tuple[int, ...]
+    src_shapes: tuple[tuple[int, ...], ...]
+    dst_shapes: tuple[tuple[int, ...], ...]
+    send_view: Optional[Run]
+    recv_view: Optional[Run]
+    recv_whole: Optional[int]
+    rounds: int
 
     @property
     def send_counts(self) -> list[int]:
@@ -96,22 +161,37 @@ class Plan:
         """Elements received from each rank."""
         return [sum(p.numel for p in pieces) for pieces in self.recv]
 
+    @property
+    def packed_numel(self) -> int:
+        """Elements copied into a send buffer (0 when sent from a view)."""
+        return 0 if self.send_view is not None else sum(p.numel for per in self.send for p in per)
+
+    @property
+    def unpacked_numel(self) -> int:
+        """Elements received into a buffer of their own and copied out of it (0 when received into a view)."""
+        return 0 if self.recv_view is not None else sum(p.numel for per in self.recv for p in per)
+
+    @property
+    def buffer_numel(self) -> int:
+        """Elements of the send and receive buffers this plan's all-to-all holds at once, beyond the shards.
+
+        A receive buffer that becomes a whole target shard (``recv_whole``)
+        counts as that shard, not as a buffer.
+        """
+        return self.packed_numel + self.unpacked_numel
+
 
 def _piece(a: ShardMetadata, i: int, b: ShardMetadata, j: int) -> Optional[Piece]:
     """The box shared by source shard ``a`` (index i) and target shard ``b`` (index j)."""
-    offsets, sizes, a_start, b_start = [], [], [], []
-    numel = 1
-    for ao, asz, bo, bsz in zip(a.shard_offsets, a.shard_sizes, b.shard_offsets, b.shard_sizes, strict=True):
-        lo = ao if ao > bo else bo
-        hi = min(ao + asz, bo + bsz)
-        if hi <= lo:
-            return None
-        offsets.append(lo)
-        sizes.append(hi - lo)
-        a_start.append(lo - ao)
-        b_start.append(lo - bo)
-        numel *= hi - lo
-    return Piece(i, j, tuple(offsets), tuple(sizes), tuple(a_start), tuple(b_start), numel)
+    box = intersect(a.shard_offsets, a.shard_sizes, b.shard_offsets, b.shard_sizes)
+    if box is None:
+        return None
+    offsets, sizes = box
+    return Piece(
+        i, j, tuple(offsets), tuple(sizes),
+        tuple(map(operator.sub, offsets, a.shard_offsets)), tuple(map(operator.sub, offsets, b.shard_offsets)),
+        math.prod(sizes),
+    )
 
 
 def owners(
@@ -162,8 +242,8 @@ def plan(
     rank: int,
     world_size: Optional[int] = None,
     to_group: Optional[Mapping[int, int]] = None,
-) -> Plan:
-    """Work out, from metadata only, what ``rank`` copies, sends and receives.
+) -> TransferPlan:
+    """Work out, from metadata only, what ``rank`` copies, sends and receives, and how.
 
     Both metadata must describe valid layouts (non-overlapping shards that
     cover the tensor) of the same tensor size; empty shards are skipped.
@@ -180,7 +260,7 @@ def plan(
             None when they are the same numbers.
 
     Returns:
-        The :class:`Plan`.
+        The :class:`TransferPlan`, its decisions made.
 
     Raises:
         ValueError: the sizes differ, a shard has no placement, no rank or
@@ -218,10 +298,15 @@ def plan(
     needs_wire = any(send) or any(recv)
     if not needs_wire:
         needs_wire = _any_remote(src, src_rank, src_live, dst, dst_rank)
-    return Plan(
+    # A pinned target must be allocated pinned, so the receive buffer cannot become it.
+    pl = _decided(
         rank, world, tuple(local), tuple(map(tuple, send)), tuple(map(tuple, recv)), needs_wire,
-        tuple(src_rank), tuple(dst_rank),
+        tuple(src_rank), tuple(dst_rank), tuple(src_md.size),
+        tuple(tuple(s.shard_sizes) for s in src), tuple(tuple(s.shard_sizes) for s in dst),
+        may_adopt=not dst_md.tensor_properties.pin_memory,
     )
+    rounds = _rounds_within_shard(pl)
+    return pl if rounds == 1 else replace(pl, rounds=rounds)
 
 
 def _any_remote(
@@ -240,6 +325,47 @@ def _any_remote(
                 return True
     return False
 
+
+# -- the decisions -------------------------------------------------------------
+
+
+def _decided(
+    rank: int,
+    world: int,
+    local: tuple[Piece, ...],
+    send: tuple[tuple[Piece, ...], ...],
+    recv: tuple[tuple[Piece, ...], ...],
+    needs_wire: bool,
+    src_owner: tuple[int, ...],
+    dst_owner: tuple[int, ...],
+    size: tuple[int, ...],
+    src_shapes: tuple[tuple[int, ...], ...],
+    dst_shapes: tuple[tuple[int, ...], ...],
+    *,
+    may_adopt: bool,
+) -> TransferPlan:
+    """A one-round plan of these pieces with its view decisions made (the one place they are made)."""
+    send_view = _run([p for per in send for p in per], src_shapes, True)
+    recv_view = _run([p for per in recv for p in per], dst_shapes, False)
+    whole = None
+    if may_adopt and recv_view is not None and recv_view.start == 0:
+        if recv_view.end == math.prod(dst_shapes[recv_view.shard]):
+            whole = recv_view.shard
+    return TransferPlan(
+        rank, world, local, send, recv, needs_wire, src_owner, dst_owner, size, src_shapes, dst_shapes,
+        send_view, recv_view, whole, 1,
+    )
+
+
+def _run(pieces: Sequence[Piece], shapes: Sequence[Sequence[int]], at_src: bool) -> Optional[Run]:
+    """Where ``pieces`` lie back to back in one shard of ``shapes``, or None (also for no pieces)."""
+    if not pieces:
+        return None
+    index = pieces[0].src if at_src else pieces[0].dst
+    if any((p.src if at_src else p.dst) != index for p in pieces):
+        return None
+    span = run_span(pieces, shapes[index], at_src)
+    return None if span is None else Run(index, span[0], span[1])
 
 
 def row_major_start(offsets: Sequence[int], sizes: Sequence[int], full: Sequence[int]) -> Optional[int]:
@@ -317,67 +443,78 @@ def _clip(p: Piece, lo: int, hi: int) -> Optional[Piece]:
                  p.numel // p.sizes[0] * rows)
 
 
-def restrict(pl: Plan, lo: int, hi: int) -> Plan:
-    """``pl`` with every piece clipped to rows ``[lo, hi)`` of dim 0, in the same order.
+def restrict(pl: TransferPlan, lo: int, hi: int) -> TransferPlan:
+    """The slab of ``pl`` within rows ``[lo, hi)`` of dim 0: its pieces clipped, in the same order, decided anew.
 
-    ``needs_wire`` is kept from ``pl`` (not recomputed), so every rank runs
-    the collective of every round even where its own part is empty.
+    A slab is one round (``rounds`` 1) and never adopts its receive buffer
+    as a target (``recv_whole`` None): the targets of a plan moved in
+    slabs exist before the first round. ``needs_wire`` is kept from ``pl``
+    (not recomputed), so every rank runs the collective of every round even
+    where its own part is empty.
     """
 
     def clipped(pieces: Sequence[Piece]) -> tuple[Piece, ...]:
         return tuple(c for c in (_clip(p, lo, hi) for p in pieces) if c is not None)
 
-    return replace(pl, local=clipped(pl.local), send=tuple(map(clipped, pl.send)), recv=tuple(map(clipped, pl.recv)))
+    return _decided(
+        pl.rank, pl.world_size, clipped(pl.local), tuple(map(clipped, pl.send)), tuple(map(clipped, pl.recv)),
+        pl.needs_wire, pl.src_owner, pl.dst_owner, pl.size, pl.src_shapes, pl.dst_shapes, may_adopt=False,
+    )
 
 
-def _buffered(pieces: Sequence[Piece], md: ShardedTensorMetadata, at_src: bool) -> int:
-    """Elements of ``pieces`` that need a buffer: 0 when they lie back to back in one shard, as sent or received."""
-    if not pieces:
-        return 0
-    index = pieces[0].src if at_src else pieces[0].dst
-    if all((p.src if at_src else p.dst) == index for p in pieces):
-        if run_span(pieces, md.shards_metadata[index].shard_sizes, at_src) is not None:
-            return 0
-    return sum(p.numel for p in pieces)
+def slab_plans(pl: TransferPlan, rounds: int) -> tuple[TransferPlan, ...]:
+    """The plans of the rounds that move ``pl`` in ``rounds`` dim-0 slabs, one all-to-all each.
 
-
-def _own_numel(md: ShardedTensorMetadata, holders: Sequence[int], rank: int) -> int:
-    return sum(e.numel() for e, owner in zip(md.shards_metadata, holders, strict=True) if owner == rank)
-
-
-def rounds_needed(pl: Plan, src_md: ShardedTensorMetadata, dst_md: ShardedTensorMetadata) -> int:
-    """How many dim-0 slabs keep this rank's send and receive buffers within its shard size.
-
-    From metadata only, assuming contiguous shards of the wire dtype:
-    pieces that lie back to back in one shard need no buffer (they are sent
-    from or received into a view of it). The answer is the fewest of 1, 2,
-    4, 8 slabs in which every round's buffers hold at most as many elements
-    as this rank's larger shard (source or target), so the new shard plus
-    the buffers stay within twice that. If none does, one slab per row of
-    dim 0, at most :data:`MAX_ROUNDS`. Ranks may need different counts:
-    the caller agrees on the largest.
-
-    Args:
-        pl: This rank's plan from ``src_md`` to ``dst_md``.
-        src_md: The source layout.
-        dst_md: The target layout.
-
-    Returns:
-        A round count from 1 to :data:`MAX_ROUNDS`.
+    ``(pl,)`` itself when ``rounds`` is 1 or dim 0 has at most one row
+    (nothing to cut); otherwise ``min(rounds, rows)`` slabs
+    (:func:`restrict`). Every rank must pass the same ``rounds``.
     """
-    rows = src_md.size[0] if len(src_md.size) else 0
-    budget = max(_own_numel(src_md, pl.src_owner, pl.rank), _own_numel(dst_md, pl.dst_owner, pl.rank))
+    rows = pl.size[0] if pl.size else 0
+    if rounds <= 1 or rows <= 1:
+        return (pl,)
+    return tuple(restrict(pl, lo, hi) for lo, hi in slabs(rows, min(rounds, rows)))
 
-    def fits(p: Plan) -> bool:
-        sent = _buffered([q for per in p.send for q in per], src_md, True)
-        return sent + _buffered([q for per in p.recv for q in per], dst_md, False) <= budget
 
-    if not pl.needs_wire or fits(pl):
+def _own_numel(shapes: Sequence[Sequence[int]], holders: Sequence[int], rank: int) -> int:
+    return sum(math.prod(shape) for shape, owner in zip(shapes, holders, strict=True) if owner == rank)
+
+
+def _rounds_within_shard(pl: TransferPlan) -> int:
+    """The ``rounds`` decision for the one-round plan ``pl``, from its slabs' ``buffer_numel``.
+
+    The budget is this rank's larger shard (source or target), so the new
+    shard plus one round's buffers stay within twice that.
+    """
+    need = pl.buffer_numel
+    if not pl.needs_wire or need == 0:
         return 1
+    budget = max(_own_numel(pl.src_shapes, pl.src_owner, pl.rank), _own_numel(pl.dst_shapes, pl.dst_owner, pl.rank))
+    if need <= budget:
+        return 1
+    rows = pl.size[0] if pl.size else 0
     for k in range(1, MAX_ROUNDS.bit_length()):
         count = 1 << k
         if count > rows:
             break
-        if all(fits(restrict(pl, lo, hi)) for lo, hi in slabs(rows, count)):
+        if all(part.buffer_numel <= budget for part in slab_plans(pl, count)):
             return count
     return max(1, min(MAX_ROUNDS, rows))
+
+
+def rounds_needed(pl: TransferPlan, src_md: ShardedTensorMetadata, dst_md: ShardedTensorMetadata) -> int:
+    """How many dim-0 slabs keep this rank's send and receive buffers within its shard size: ``pl.rounds``.
+
+    The plan made that decision when it was planned (see
+    :attr:`TransferPlan.rounds`); this reads it. Kept for callers written
+    before the plan carried it.
+
+    Args:
+        pl: This rank's plan from ``src_md`` to ``dst_md``.
+        src_md: The source layout ``pl`` was planned from (not read again).
+        dst_md: The target layout ``pl`` was planned to (not read again).
+
+    Returns:
+        A round count from 1 to :data:`MAX_ROUNDS`.
+    """
+    del src_md, dst_md  # the plan already holds what they said
+    return pl.rounds

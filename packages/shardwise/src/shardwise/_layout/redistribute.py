@@ -1,48 +1,56 @@
-"""Moving shard data between layouts: one all-to-all planned from box intersections.
+"""Executing transfer plans: one all-to-all per round, planned from box intersections.
 
 Every layout change (``reshard``, ``shard_tensor``, ``gather``) is the same
 problem: source shards and target shards are boxes of one tensor, each
-placed on a rank. :func:`~shardwise._layout.plan.plan` works out, from metadata alone, which
-intersection box each rank sends to each other rank; :func:`redistribute`
-then packs those boxes into one flat send buffer (``narrow`` + ``copy_``,
-no per-element Python), runs a single ``all_to_all_single`` on its bytes
-and unpacks what arrives into the targets; pieces that lie back to back in
-one source or target (rows of dim-0 chunks) are sent from, or received
-into, a view of it instead, with no copy. Large buffers come from
-:mod:`shardwise._comm.buffers` (huge pages: a fresh 32 MiB buffer otherwise costs
-more in page faults than the transfer). Boxes whose source and target
-live on the same rank are copied directly and never touch the wire, so each
-element crosses the wire at most once, and no rank holds more than its own
-shards plus one send and one receive buffer. A target shard that arrives
-whole, in order, is the receive buffer itself (no copy). ``redistribute``
-can also move the data in slabs of dim 0, one all-to-all per slab
-(``rounds``; :mod:`shardwise._layout.plan` says how many keep the buffers within
-the shard size), which is what ``reshard`` does on more than two ranks when
-the pieces are scattered.
+placed on a rank. :func:`~shardwise._layout.plan.plan` works out, from
+metadata alone, a :class:`~shardwise._layout.plan.TransferPlan`: which
+intersection box each rank sends to each other rank, and how (sent from a
+view or packed, received into a view or unpacked, how many rounds). This
+module executes such plans and makes no decision of its own about them:
+:func:`execute` packs the outgoing boxes into one flat send buffer
+(``narrow`` + ``copy_``, no per-element Python) unless the plan says they
+are sent from a view of their source (``send_view``), runs a single
+``all_to_all_single`` on its bytes, and unpacks what arrives into the
+targets unless the plan says it arrives into a view of its target
+(``recv_view``). The only thing checked here is what a plan cannot know:
+that the tensor such a view is taken of is contiguous and of the wire
+dtype (else it is packed or unpacked after all). Large buffers come from
+:mod:`shardwise._comm.buffers` (huge pages: a fresh 32 MiB buffer otherwise
+costs more in page faults than the transfer). Boxes whose source and
+target live on the same rank are copied directly and never touch the wire,
+so each element crosses the wire at most once, and no rank holds more than
+its own shards plus one send and one receive buffer. A target shard that
+arrives whole, in order (``recv_whole``), is the receive buffer itself (no
+allocation, no copy). :func:`redistribute` can also move the data in slabs
+of dim 0, one all-to-all per slab (``rounds``; the plan says how many keep
+the buffers within the shard size), which is what ``reshard`` does on more
+than two ranks when the pieces are scattered.
 
 Nothing here checks that ranks agree; the entry points that do
 (``reshard``, ``gather``, ``full_tensor``, ``shard_tensor``) live in
-:mod:`shardwise._tensor.scatter`.
+:mod:`shardwise._tensor`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
-from typing import TYPE_CHECKING, Mapping, NoReturn, Optional, Sequence
+from typing import TYPE_CHECKING, Collection, Mapping, NoReturn, Optional, Sequence
 
 import torch
 
 from shardwise._comm import buffers as _memory
+from shardwise._layout.plan import Piece, Run, TransferPlan, plan, row_major_start, slab_plans
 from shardwise._vocab.metadata import ShardedTensorMetadata
-from shardwise._layout.plan import Piece, Plan, plan, restrict, row_major_start, run_span, slabs
 from shardwise._vocab.shard import Shard
 
 if TYPE_CHECKING:
     from shardwise._comm.group import Group
 
-# Piece, Plan, plan and row_major_start live in shardwise._layout.plan; re-exported for the callers here.
-__all__ = ["Piece", "Plan", "plan", "receive_view", "redistribute", "row_major_start", "run_of"]
+# Piece, TransferPlan, plan and row_major_start live in shardwise._layout.plan; re-exported for the callers here.
+__all__ = [
+    "Piece", "TransferPlan", "box", "execute", "match_sources", "plan", "receive_view", "redistribute",
+    "row_major_start", "send_view",
+]
 
 
 # -- moving data -------------------------------------------------------------
@@ -57,7 +65,7 @@ def box(tensor: torch.Tensor, start: Sequence[int], sizes: Sequence[int]) -> tor
 
 
 def copy_local(
-    pl: Plan, sources: Mapping[int, torch.Tensor], targets: Mapping[int, torch.Tensor], wire_dtype: torch.dtype
+    pl: TransferPlan, sources: Mapping[int, torch.Tensor], targets: Mapping[int, torch.Tensor], wire_dtype: torch.dtype
 ) -> None:
     """Copy the pieces whose source and target are both on this rank, without the wire."""
     for p in pl.local:
@@ -69,38 +77,36 @@ def copy_local(
         box(target, p.dst_start, p.sizes).copy_(piece)
 
 
-def run_of(tensor: torch.Tensor, pieces: Sequence[Piece], at_src: bool, dtype: torch.dtype) -> Optional[torch.Tensor]:
-    """A flat view of ``tensor`` holding ``pieces`` back to back, when they lie that way in its memory.
+def _view_of_run(tensor: torch.Tensor, run: Run, dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """The flat view ``run`` of ``tensor``, if its memory is laid out as the plan assumed.
 
-    True when every piece is one row-major run of the contiguous ``tensor``
-    (of ``dtype``) and each starts where the previous one ends, as the rows
-    of dim-0 chunks do. Sending from, or receiving into, such a view needs
-    no packing copy.
-
-    Args:
-        tensor: The source shard (``at_src``) or target shard the pieces belong to.
-        pieces: The pieces, in wire order.
-        at_src: Read the pieces' positions in their source (else their target).
-        dtype: The wire dtype.
+    The plan found the pieces back to back in the shard's row-major
+    order; that is its memory only when the tensor is contiguous and of
+    the wire ``dtype`` (the bytes sent are the wire dtype's).
     """
-    if not pieces or tensor.dtype != dtype or not tensor.is_contiguous():
+    if tensor.dtype != dtype or not tensor.is_contiguous():
         return None
-    span = run_span(pieces, tuple(tensor.shape), at_src)
-    return None if span is None else tensor.detach().reshape(-1)[span[0] : span[1]]
+    return tensor.detach().reshape(-1)[run.start : run.end]
 
 
-def pack(pl: Plan, sources: Mapping[int, torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """One flat ``dtype`` buffer with the pieces for rank 0, then rank 1, ...
+def send_view(pl: TransferPlan, sources: Mapping[int, torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """The view of a source shard that holds every outgoing piece in wire order, when the plan says one does.
 
-    Pieces that already lie back to back in one contiguous source shard of
-    that dtype (a whole shard, or consecutive rows of one) are sent from a
-    view of it, without a copy.
+    Sending from it needs no send buffer and no packing copy (a whole
+    shard, or consecutive rows of one).
     """
+    run = pl.send_view
+    return None if run is None else _view_of_run(sources[run.shard], run, dtype)
+
+
+def pack(
+    pl: TransferPlan, sources: Mapping[int, torch.Tensor], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """One flat ``dtype`` buffer with the pieces for rank 0, then rank 1, ...: :func:`send_view`, else a copy."""
+    view = send_view(pl, sources, dtype)
+    if view is not None:
+        return view
     pieces = [p for per_rank in pl.send for p in per_rank]
-    if pieces and all(p.src == pieces[0].src for p in pieces):
-        view = run_of(sources[pieces[0].src], pieces, True, dtype)
-        if view is not None:
-            return view
     buf = _memory.empty((sum(p.numel for p in pieces),), dtype, device)
     pos = 0
     for p in pieces:
@@ -109,24 +115,27 @@ def pack(pl: Plan, sources: Mapping[int, torch.Tensor], dtype: torch.dtype, devi
     return buf
 
 
-def receive_view(pl: Plan, targets: Mapping[int, torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
-    """A view of one target shard that the received pieces fill back to back, if there is one.
+def receive_view(pl: TransferPlan, targets: Mapping[int, torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """The view of a target shard that the received pieces fill back to back, when the plan says one does.
 
     The all-to-all then writes straight into the target (gather's ``out``,
     a reshard target whose incoming rows are consecutive): no receive
-    buffer, no unpacking copy.
+    buffer, no unpacking copy. None also when that target is not in
+    ``targets`` (the caller adopts the receive buffer as it, see
+    :attr:`~shardwise._layout.plan.TransferPlan.recv_whole`).
     """
-    pieces = [p for per_rank in pl.recv for p in per_rank]
-    if not pieces or any(p.dst != pieces[0].dst for p in pieces) or pieces[0].dst not in targets:
+    run = pl.recv_view
+    if run is None or run.shard not in targets:
         return None
-    return run_of(targets[pieces[0].dst], pieces, False, dtype)
+    return _view_of_run(targets[run.shard], run, dtype)
 
 
-def unpack(pl: Plan, flat: torch.Tensor, targets: Mapping[int, torch.Tensor]) -> None:
+def unpack(pl: TransferPlan, flat: torch.Tensor, targets: Mapping[int, torch.Tensor]) -> None:
     """Copy what arrived (rank 0's pieces, then rank 1's, ...) into the targets.
 
     Pieces of a target missing from ``targets`` stay in ``flat`` (the caller
-    adopts ``flat`` as that target, see :func:`arrives_whole`).
+    adopts ``flat`` as that target, see
+    :attr:`~shardwise._layout.plan.TransferPlan.recv_whole`).
     """
     pos = 0
     for per_rank in pl.recv:
@@ -136,24 +145,8 @@ def unpack(pl: Plan, flat: torch.Tensor, targets: Mapping[int, torch.Tensor]) ->
             pos += p.numel
 
 
-def arrives_whole(pl: Plan, md: ShardedTensorMetadata) -> Optional[int]:
-    """The target shard that the receive buffer holds exactly, in row-major order, if one does.
-
-    That target need not be allocated or copied into: the buffer is it
-    (shard_tensor's receivers, a shard moving whole to another rank).
-    """
-    pieces = [p for per_rank in pl.recv for p in per_rank]
-    if not pieces or md.tensor_properties.pin_memory:
-        return None
-    j = pieces[0].dst
-    if any(p.dst != j for p in pieces):
-        return None
-    sizes = md.shards_metadata[j].shard_sizes
-    return j if run_span(pieces, sizes, False) == (0, math.prod(sizes)) else None
-
-
 def execute(
-    pl: Plan,
+    pl: TransferPlan,
     sources: Mapping[int, torch.Tensor],
     targets: Mapping[int, torch.Tensor],
     group: Group,
@@ -218,13 +211,16 @@ def match_sources(shards: Sequence[Shard], md: ShardedTensorMetadata, rank: int)
 
 
 def _allocate(
-    md: ShardedTensorMetadata, owners: Sequence[int], rank: int, dtype: torch.dtype, skip: Optional[int]
+    md: ShardedTensorMetadata, owners: Sequence[int], rank: int, dtype: torch.dtype, skip: Collection[int]
 ) -> dict[int, torch.Tensor]:
-    """Empty target shards for the entries of ``md`` that ``owners`` (group ranks, from the plan) give ``rank``."""
+    """Empty target shards for the entries of ``md`` that ``owners`` (group ranks, from the plan) give ``rank``.
+
+    Entries in ``skip`` are left out: a receive buffer becomes them.
+    """
     pin = md.tensor_properties.pin_memory and torch.cuda.is_available()
     out = {}
     for j, entry in enumerate(md.shards_metadata):
-        if owners[j] == rank and j != skip:
+        if owners[j] == rank and j not in skip:
             assert entry.placement is not None
             device = entry.placement.device()
             if pin and device.type == "cpu":
@@ -262,8 +258,9 @@ def redistribute(
             all-to-all's handshake).
         rounds: Move the data in this many slabs of dim 0, one all-to-all
             each, so that the send and receive buffers are that much
-            smaller (the same on every rank; see
-            :func:`shardwise._layout.plan.rounds_needed`).
+            smaller (the same on every rank: the largest
+            :attr:`~shardwise._layout.plan.TransferPlan.rounds` of the
+            ranks' plans).
 
     Returns:
         This rank's target shards, in ``dst_md`` order.
@@ -279,19 +276,16 @@ def redistribute(
         sources = match_sources(src_shards, src_md, group.global_rank)
     except ValueError as exc:
         _fail(group, exc, pl.needs_wire)
-    rows = dst_md.size[0] if len(dst_md.size) else 0
-    if rounds > 1 and rows > 1:
-        targets = _allocate(dst_md, pl.dst_owner, group.rank, wire_dtype, skip=None)
-        for lo, hi in slabs(rows, min(rounds, rows)):
-            execute(restrict(pl, lo, hi), sources, targets, group, wire_dtype, trusted=trusted)
-        return _leaves(targets, dst_md)
-    whole = arrives_whole(pl, dst_md)
-    targets = _allocate(dst_md, pl.dst_owner, group.rank, wire_dtype, skip=whole)
-    flat = execute(pl, sources, targets, group, wire_dtype, trusted=trusted)
-    if whole is not None:
-        entry = dst_md.shards_metadata[whole]
-        assert flat is not None and entry.placement is not None
-        targets[whole] = flat.view(entry.shard_sizes).to(entry.placement.device())
+    parts = slab_plans(pl, rounds)
+    # The plan says which target a receive buffer becomes (slabs never do: their targets exist up front).
+    adopted = {part.recv_whole for part in parts if part.recv_whole is not None}
+    targets = _allocate(dst_md, pl.dst_owner, group.rank, wire_dtype, skip=adopted)
+    for part in parts:
+        flat = execute(part, sources, targets, group, wire_dtype, trusted=trusted)
+        if part.recv_whole is not None:
+            entry = dst_md.shards_metadata[part.recv_whole]
+            assert flat is not None and entry.placement is not None
+            targets[part.recv_whole] = flat.view(entry.shard_sizes).to(entry.placement.device())
     return _leaves(targets, dst_md)
 
 

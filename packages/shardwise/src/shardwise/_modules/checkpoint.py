@@ -51,8 +51,12 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Optional, TypeVar, Union
 
-from shardwise._comm.group import Group
 from shardwise._comm.default_group import resolve_group
+from shardwise._comm.group import Group
+from shardwise._modules.optim_checkpoint import apply_loaded, empty_targets
+from shardwise._modules.optim_checkpoint import optimizer_state as build
+from shardwise._modules.safe_load import safe_planner, safe_reader
+from shardwise._vocab import dcp_codec as codec
 from shardwise.errors import PeerError
 
 __all__ = ["load", "load_optimizer", "optimizer_state", "save"]
@@ -106,9 +110,9 @@ def save(state_dict: dict[str, Any], path: PathLike, *, process_group: Any = Non
             (see the group's timeout); ``path`` is unchanged.
         Exception: the error of this rank's own failure; ``path`` is unchanged.
     """
+    # torch.distributed.checkpoint is heavy to import; only a save or a load needs it.
     from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 
-    from shardwise._vocab import dcp_codec as codec
 
     group = resolve_group(process_group)
     target = Path(os.fspath(path)).absolute()
@@ -215,8 +219,6 @@ def load(state_dict: dict[str, Any], path: PathLike, *, process_group: Any = Non
         ValueError: a tensor's global size differs from the saved one, or
             a key is missing from the checkpoint (naming every such key).
     """
-    from shardwise._modules.safe_load import safe_planner, safe_reader
-
     group = resolve_group(process_group)
     source = Path(os.fspath(path)).absolute()
     coordinator = group.rank == 0
@@ -251,6 +253,7 @@ def _check_against(flat: dict[str, Any], metadata: Any, source: Path) -> None:
         ValueError: keys the checkpoint lacks (listing what it holds) or
             holds with another global size (naming both sizes).
     """
+    # torch.distributed.checkpoint is heavy to import; only a save or a load needs it.
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     saved = metadata.state_dict_metadata
@@ -280,8 +283,6 @@ def optimizer_state(optimizer: Any) -> dict[str, Any]:
     Returns:
         ``{"state": {param name: {field: value}}, "param_groups": [...]}``.
     """
-    from shardwise._modules.optim_checkpoint import optimizer_state as build
-
     return build(optimizer)
 
 
@@ -303,10 +304,8 @@ def load_optimizer(optimizer: Any, path: PathLike, *, key: str = "optim", proces
         ValueError: the checkpoint names parameters this optimizer lacks.
         PeerError: loading failed on another rank.
     """
+    # torch.distributed.checkpoint is heavy to import; only a save or a load needs it.
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from shardwise._modules.optim_checkpoint import apply_loaded, empty_targets
-    from shardwise._modules.safe_load import safe_reader
 
     group = resolve_group(process_group)
     source = Path(os.fspath(path)).absolute()

@@ -16,11 +16,10 @@ from typing import Any, Optional
 
 import torch
 
-from shardwise._vocab.metadata import TensorProperties
-from shardwise._modules.optim import ShardedOptimizer
-from shardwise._modules.optim import shard_key
-from shardwise._vocab.shard import Shard
+from shardwise._modules.optim import ShardedOptimizer, shard_key
 from shardwise._tensor.sharded_tensor import ShardedTensor
+from shardwise._vocab.metadata import TensorProperties
+from shardwise._vocab.shard import Shard
 
 __all__ = ["apply_loaded", "empty_targets", "optimizer_state"]
 

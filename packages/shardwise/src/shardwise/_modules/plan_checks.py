@@ -11,8 +11,9 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import nn
 
-from shardwise._modules.sharder import Sharder
 from shardwise._modules.plan import ShardingPlan
+from shardwise._modules.sharder import Sharder
+from shardwise._tensor.sharded_tensor import ShardedTensor
 from shardwise._tensor.specs import ShardingSpec
 
 __all__ = [
@@ -43,8 +44,6 @@ def check_parameter(module: nn.Module, param_name: str, where: str = "") -> torc
         KeyError: it is a buffer or a plain attribute rather than a
             parameter (torch 2.13's error, raised there after scattering).
     """
-    from shardwise._tensor.sharded_tensor import ShardedTensor
-
     label = f"{where}: " if where else ""
     if not isinstance(module, nn.Module):
         raise TypeError(f"{label}expected an nn.Module, got {type(module).__name__}")

@@ -17,6 +17,7 @@ loads. shardwise reads both restricted:
 
 from __future__ import annotations
 
+import io
 import pickle
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,7 @@ def load_metadata(file: Any, source: str) -> Any:
 
 def safe_reader(path: Path) -> Any:
     """A ``FileSystemReader`` for ``path`` whose ``read_metadata`` uses :func:`load_metadata`."""
+    # torch.distributed.checkpoint is heavy to import; only a checkpoint load needs it.
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
 
@@ -98,8 +100,7 @@ def safe_planner() -> Any:
     Its errors name the key, so a value that needs more than plain data
     (an arbitrary object saved by pickle) says which one and why.
     """
-    import io
-
+    # torch.distributed.checkpoint is heavy to import; only a checkpoint load needs it.
     from torch.distributed.checkpoint import DefaultLoadPlanner
     from torch.distributed.checkpoint._traverse import set_element
 

@@ -1,4 +1,7 @@
-"""Sharding modules: ``shard_parameter``, ``shard_module`` and the hooks they install.
+"""Sharding modules: ``shard_parameter``, ``shard_module`` and their forward hooks.
+
+The state-dict hooks ``shard_parameter`` installs are in
+:mod:`shardwise._modules.state_dict`.
 
 Names and behaviour follow ``torch.distributed._shard.api`` (torch 2.13),
 with these differences:
@@ -18,8 +21,6 @@ with these differences:
 - ``return_local_tensor`` squeezes the sharded dimension only when every
   shard has size 1 along it, so every rank returns the same shape (torch
   squeezed on the ranks whose shard happened to have size 1).
-- Importing this module does not import ``shardwise.sharded_tensor`` (so
-  that package may re-export the state dict hooks without an import cycle).
 - ``load_state_dict`` of a dense state dict into a module with ShardedTensor
   parameters works: each rank copies its shards' slices (a hook that
   :func:`shard_parameter` registers). So does a state dict of torch 2.13's
@@ -29,13 +30,12 @@ with these differences:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
-from shardwise._vocab.metadata import ShardedTensorMetadata, TensorProperties
-from shardwise.errors import PeerError
+from shardwise._comm.default_group import resolve_group
 from shardwise._modules.plan import ShardingPlan
 from shardwise._modules.plan_checks import (
     check_parameter,
@@ -45,23 +45,15 @@ from shardwise._modules.plan_checks import (
     resolve_after_sharding,
     validate_plan,
 )
+from shardwise._modules.state_dict import ensure_dense_load_hook
+from shardwise._tensor.scatter import shard_tensor
+from shardwise._tensor.sharded_tensor import ShardedTensor
 from shardwise._tensor.specs import ChunkShardingSpec, ShardingSpec
+from shardwise.errors import PeerError
 
-if TYPE_CHECKING:
-    from shardwise._tensor.sharded_tensor import ShardedTensor
-
-__all__ = [
-    "pre_load_state_dict_hook",
-    "shard_module",
-    "shard_parameter",
-    "state_dict_hook",
-]
+__all__ = ["shard_module", "shard_parameter"]
 
 _LOCAL_ERRORS = (AttributeError, KeyError, RuntimeError, TypeError, ValueError)
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
 
 
 def _agree(group: Any, error: Optional[BaseException], what: str, extra: Any = None) -> list[Any]:
@@ -127,12 +119,10 @@ def _replace_parameter(
     group: Any,
     requires_grad: bool,
 ) -> None:
-    from shardwise._tensor.scatter import shard_tensor
-
     st = shard_tensor(tensor.detach(), spec, src_rank=src_rank, process_group=group)
     # nn.Parameter of a tensor subclass returns that subclass, marked as a parameter.
     module.register_parameter(param_name, nn.Parameter(st, requires_grad=requires_grad))
-    _ensure_dense_load_hook(module)
+    ensure_dense_load_hook(module)
 
 
 def shard_parameter(
@@ -164,8 +154,6 @@ def shard_parameter(
         TypeError: ``sharding_spec`` is not a ShardingSpec.
         PeerError: another rank's arguments failed these checks.
     """
-    from shardwise._comm.default_group import resolve_group
-
     group = resolve_group(process_group)
     tensor: Optional[torch.Tensor] = None
     error: Optional[BaseException] = None
@@ -213,8 +201,6 @@ def shard_module(module: nn.Module, plan: ShardingPlan, src_rank: int = 0, proce
             parameter, or ranks pass different plans or src_rank.
         PeerError: another rank's plan failed these checks.
     """
-    from shardwise._comm.default_group import resolve_group
-
     group = resolve_group(process_group)
     error: Optional[BaseException] = None
     mine: Optional[dict[str, Any]] = None
@@ -276,8 +262,6 @@ class _ReshardOutput:
         self.path = path
 
     def __call__(self, module: nn.Module, inputs: Any, output: Any) -> Any:
-        from shardwise._tensor.sharded_tensor import ShardedTensor
-
         if not isinstance(output, ShardedTensor):
             where = f"submodule '{self.path}'" if self.path else "the root module"
             raise TypeError(
@@ -292,8 +276,6 @@ class _CollectLocalShard:
     """Forward hook: return this rank's local tensor of a ShardedTensor output."""
 
     def __call__(self, module: nn.Module, inputs: Any, output: Any) -> Any:
-        from shardwise._tensor.sharded_tensor import ShardedTensor
-
         if not isinstance(output, ShardedTensor):
             return None  # not sharded: leave the output as it is (as torch 2.13)
         local = output.local_tensor()
@@ -316,95 +298,3 @@ def _collect_local_shard(module: nn.Module) -> nn.Module:
     """Hook ``module`` so that it returns the local tensor of its ShardedTensor output."""
     module.register_forward_hook(_CollectLocalShard())
     return module
-
-
-# -- state dict hooks -------------------------------------------------------
-
-
-def state_dict_hook(module: nn.Module, destination: Any, prefix: str, local_metadata: Any) -> None:
-    """Add the ShardedTensor attributes of ``module`` and its submodules to its state dict.
-
-    ShardedTensor *parameters* are in the state dict anyway; this covers
-    ShardedTensors set as plain attributes. Register it with
-    ``module._register_state_dict_hook(state_dict_hook)``.
-    """
-    from shardwise._tensor.sharded_tensor import ShardedTensor
-
-    for sub_name, sub in module.named_modules():
-        for attr_name, attr in vars(sub).items():
-            if isinstance(attr, ShardedTensor):
-                destination[_join(prefix + sub_name, attr_name)] = attr
-
-
-def pre_load_state_dict_hook(
-    module: nn.Module,
-    state_dict: Any,
-    prefix: str,
-    local_metadata: Any,
-    strict: bool,
-    missing_keys: list[str],
-    unexpected_keys: list[str],
-    error_msgs: list[str],
-) -> None:
-    """Set ShardedTensor attributes of ``module`` and its submodules from the state dict.
-
-    The counterpart of :func:`state_dict_hook`. The entries it takes are
-    removed from the (copied) state dict, so ``strict=True`` does not
-    report them as unexpected (torch 2.13 left them, which needed
-    ``strict=False``). Register it with
-    ``module.register_load_state_dict_pre_hook(pre_load_state_dict_hook)``.
-    """
-    from shardwise._tensor.sharded_tensor import ShardedTensor
-
-    for sub_name, sub in module.named_modules():
-        for attr_name in list(vars(sub)):
-            key = _join(prefix + sub_name, attr_name)
-            if isinstance(state_dict.get(key), ShardedTensor):
-                setattr(sub, attr_name, state_dict.pop(key))
-
-
-def _as_sharded_like(dense: torch.Tensor, like: ShardedTensor) -> ShardedTensor:
-    """``dense`` cut into ``like``'s layout, from this rank's slices (no communication)."""
-    from shardwise._tensor.sharded_tensor import ShardedTensor
-    from shardwise._vocab.shard import Shard
-
-    shards = []
-    for shard in like.local_shards():
-        md = shard.metadata
-        index = tuple(slice(o, o + s) for o, s in zip(md.shard_offsets, md.shard_sizes, strict=True))
-        piece = dense.detach()[index].to(device=shard.tensor.device).contiguous()
-        shards.append(Shard(piece, md))
-    props = TensorProperties(dtype=dense.dtype, layout=torch.strided, requires_grad=False)
-    metadata = ShardedTensorMetadata(list(like.metadata().shards_metadata), like.size(), props)
-    return ShardedTensor._create(like.sharding_spec(), metadata, shards, like.process_group)
-
-
-def _load_dense_into_sharded(module: nn.Module, state_dict: Any, prefix: str, *args: Any) -> None:
-    """Load pre-hook: a dense entry for a ShardedTensor parameter becomes that layout's slices.
-
-    An entry that is torch 2.13's own ShardedTensor (``torch.save`` of torch's
-    state dicts, FSDP1's ``SHARDED_STATE_DICT``) is converted and, when its
-    shards are laid out otherwise, resharded to the parameter's layout.
-    """
-    from shardwise._tensor.sharded_tensor import ShardedTensor
-    from shardwise._tensor.torch_interop import is_torch_sharded_tensor, load_torch_sharded_tensor
-
-    for name, param in module._parameters.items():
-        value = state_dict.get(prefix + name)
-        if isinstance(param, ShardedTensor) and is_torch_sharded_tensor(value):
-            # A size mismatch is left for torch's own "size mismatch" report.
-            if list(value.metadata().size) == list(param.shape):
-                state_dict[prefix + name] = load_torch_sharded_tensor(value, param)
-        elif (
-            isinstance(param, ShardedTensor)
-            and isinstance(value, torch.Tensor)
-            and not isinstance(value, ShardedTensor)
-            and value.shape == param.shape
-        ):
-            state_dict[prefix + name] = _as_sharded_like(value, param)
-
-
-def _ensure_dense_load_hook(module: nn.Module) -> None:
-    hooks = module._load_state_dict_pre_hooks.values()
-    if not any(getattr(h, "hook", None) is _load_dense_into_sharded for h in hooks):
-        module.register_load_state_dict_pre_hook(_load_dense_into_sharded)

@@ -19,8 +19,8 @@ from typing import Any, Optional
 import pluggy
 
 from shardwise._registry import manager as _registry
-from shardwise._registry.records import Availability, Backend, Launcher, ShardedOp
 from shardwise._registry.manager import DEFAULT_PLUGINS, ENTRY_POINT_GROUP, PluginInfo
+from shardwise._registry.records import Availability, Backend, Launcher, ShardedOp
 
 __all__ = [
     "DEFAULT_PLUGINS",

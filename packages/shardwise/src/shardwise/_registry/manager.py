@@ -27,7 +27,13 @@ PLUGINS_ENV = "SHARDWISE_PLUGINS"
 
 #: The core's own plugins, registered through the same hooks as any other
 #: plugin (and blockable by the same names).
-DEFAULT_PLUGINS: tuple[str, ...] = ("shardwise._session.launchers", "shardwise._tensor.core_ops", "shardwise._tensor.custom_ops")
+#: They are named by module and imported by name when the plugin manager is built
+#: (as entry points are), so this layer does not import the layers that hold them.
+DEFAULT_PLUGINS: tuple[str, ...] = (
+    "shardwise._session.launchers",
+    "shardwise._tensor.core_ops",
+    "shardwise._tensor.custom_ops",
+)
 
 #: Which distribution to install for names users commonly ask for.
 KNOWN_BACKEND_DISTRIBUTIONS: Mapping[str, str] = {

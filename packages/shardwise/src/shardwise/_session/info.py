@@ -8,8 +8,11 @@ import platform
 import sys
 from typing import Any, Optional, Sequence
 
+import torch
+
 from shardwise._registry import access as plugins
 from shardwise._registry.records import qualified_name
+from shardwise._vocab.version import __version__
 from shardwise.errors import ShardwiseError
 
 __all__ = ["collect", "main", "render"]
@@ -17,10 +20,6 @@ __all__ = ["collect", "main", "render"]
 
 def collect() -> dict[str, Any]:
     """Everything ``shardwise info`` shows, as JSON-safe data."""
-    import torch
-
-    from shardwise import __version__
-
     registry_plugins = plugins.list_plugins()
     backends = []
     for backend in plugins.list_backends():

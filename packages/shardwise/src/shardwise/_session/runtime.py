@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import threading
 from datetime import timedelta
-from typing import Any, Mapping, Optional, Union
+from typing import Mapping, Optional, Union
 
 from shardwise._comm.default_group import (
     DEFAULT_TIMEOUT,
@@ -25,7 +25,7 @@ from shardwise._comm.group import Group
 from shardwise._registry import access as plugins
 from shardwise._registry.records import Backend, LaunchInfo
 from shardwise._session.launchers import detect_launch
-from shardwise._tensor.pickling import register_safe_globals
+from shardwise._tensor.loading import register_safe_globals
 from shardwise.errors import BackendNotFoundError, BackendUnavailableError, LaunchError
 
 __all__ = [

@@ -8,12 +8,11 @@ that spec.
 from __future__ import annotations
 
 from shardwise._registry.records import ShardedOp
+from shardwise._tensor.ops import all_records
 from shardwise.hookspecs import hookimpl
 
 
 @hookimpl
 def shardwise_sharded_ops() -> list[ShardedOp]:
     """Every op implemented by the core (imported on first lookup, not at import time)."""
-    from shardwise._tensor.ops import all_records
-
     return all_records()

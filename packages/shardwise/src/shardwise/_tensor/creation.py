@@ -1,4 +1,4 @@
-"""Creation functions: ``empty``, ``zeros``, ``ones``, ``full``, ``rand``, ``randn``."""
+"""Creation functions: ``empty``, ``zeros``, ``ones``, ``full``, ``rand``, ``randn`` and ``init_from_local_shards``."""
 
 from __future__ import annotations
 
@@ -6,10 +6,12 @@ from typing import Any, Optional
 
 import torch
 
+from shardwise._tensor.ops.random import fill_normal, fill_uniform
 from shardwise._tensor.sharded_tensor import ShardedTensor
 from shardwise._tensor.specs import ShardingSpec
+from shardwise._vocab.shard import Shard
 
-__all__ = ["empty", "full", "ones", "rand", "randn", "zeros"]
+__all__ = ["empty", "full", "init_from_local_shards", "ones", "rand", "randn", "zeros"]
 
 
 def empty(
@@ -156,8 +158,6 @@ def rand(
     seed gives the same whole tensor whatever the world size and spec.
     ``generator`` (the same seed on every rank) replaces the default one.
     """
-    from shardwise._tensor.ops.random import fill_uniform
-
     kwargs: dict[str, Any] = dict(
         dtype=dtype,
         layout=layout,
@@ -185,8 +185,6 @@ def randn(
     generator: Optional[torch.Generator] = None,
 ) -> ShardedTensor:
     """Like :func:`empty`, filled with standard normal numbers (see :func:`rand` on seeds)."""
-    from shardwise._tensor.ops.random import fill_normal
-
     kwargs: dict[str, Any] = dict(
         dtype=dtype,
         layout=layout,
@@ -205,3 +203,45 @@ def _as_sizes(size: Any) -> tuple[Any, ...]:
     if isinstance(size, int):
         return (size,)
     return tuple(size)
+
+
+def init_from_local_shards(
+    local_shards: list[Shard],
+    *global_size: Any,
+    process_group: Any = None,
+    init_rrefs: bool = False,
+) -> ShardedTensor:
+    """Build a ShardedTensor from the shards each rank holds, checked across ranks.
+
+    Every rank of the group calls it. Ranks exchange their shards'
+    metadata (as JSON, through ``Group.exchange``) and each validates the
+    whole picture the same way, so invalid input raises the same error on
+    every rank instead of hanging some of them.
+
+    Args:
+        local_shards: This rank's shards (possibly none).
+        *global_size: Size of the whole tensor. ``None`` for a dim (as in
+            torch 2.13, e.g. ``init_from_local_shards(shards, None, None)``)
+            works the size out: each rank passes one shard, and the shards
+            are stacked along dim 0 in the order of their placement ranks
+            (their offsets are recomputed; the other dims' sizes come from
+            the lowest rank's shard).
+        process_group: Group, torch ProcessGroup or None.
+        init_rrefs: Must be False; checked after the shards are validated.
+
+    Returns:
+        The ShardedTensor; its spec is inferred from the shards (a chunk
+        spec when they form one).
+
+    Raises:
+        ValueError: ranks disagree on the size or tensor properties, shards
+            overlap, leave part of the tensor uncovered, stick out of it,
+            or name a rank outside the group or another rank than the one
+            passing them. A rank whose own input is bad raises the real
+            error; its peers raise :class:`~shardwise.errors.PeerError`.
+        TypeError: a local shard is not a :class:`Shard`.
+        NotImplementedError: ``init_rrefs`` is True and the shards are valid.
+    """
+    return ShardedTensor._init_from_local_shards(
+        local_shards, *global_size, process_group=process_group, init_rrefs=init_rrefs
+    )

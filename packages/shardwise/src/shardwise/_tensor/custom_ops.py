@@ -14,7 +14,11 @@ import inspect
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+from shardwise._registry import manager as _registry
 from shardwise._registry.records import ShardedOp, qualified_name
+from shardwise._tensor.sharded_tensor import ShardedTensor
+from shardwise._tensor.specs import ChunkShardingSpec, ShardingSpec
+from shardwise._vocab.shard import Shard
 from shardwise.hookspecs import hookimpl
 
 if TYPE_CHECKING:
@@ -43,8 +47,6 @@ def shardwise_sharded_ops() -> list[ShardedOp]:
 
 
 def _add(record: ShardedOp) -> None:
-    from shardwise._registry import manager as _registry
-
     with _lock:
         # Re-registering the same (op, spec) replaces it, as torch's dicts did.
         _custom[(record.op, record.spec)] = record
@@ -55,8 +57,6 @@ def _add(record: ShardedOp) -> None:
 
 def _remove(op: Any, spec: type) -> None:
     """Forget a decorator registration (tests use this to clean up)."""
-    from shardwise._registry import manager as _registry
-
     with _lock:
         _custom.pop((op, spec), None)
     current = _registry._current
@@ -101,8 +101,6 @@ def custom_sharded_op_impl(func: Any) -> Callable[[Impl], Impl]:
         def my_linear(types, args, kwargs, process_group):
             ...
     """
-    from shardwise._tensor.specs import ShardingSpec
-
     def decorator(impl: Impl) -> Impl:
         _check_signature("custom_sharded_op_impl", func, impl)
         _add(ShardedOp(op=func, spec=ShardingSpec, impl=impl, description="custom_sharded_op_impl", override=True))
@@ -122,8 +120,6 @@ def custom_sharding_spec_op(sharding_spec_class: type, func: Any) -> Callable[[I
             the decorated function does not take exactly
             ``(types, args, kwargs, process_group)``.
     """
-    from shardwise._tensor.specs import ShardingSpec
-
     if not (isinstance(sharding_spec_class, type) and issubclass(sharding_spec_class, ShardingSpec)):
         raise TypeError(f"custom_sharding_spec_op needs a ShardingSpec subclass, got {sharding_spec_class!r}")
 
@@ -147,8 +143,6 @@ def _prologue(
     extra_check: Optional[Callable[..., None]],
 ) -> tuple[ShardedTensor, bool]:
     """The ShardedTensor argument, after the checks; True when ``early_stop_func`` says to return it as is."""
-    from shardwise._tensor.sharded_tensor import ShardedTensor
-
     if not args or not isinstance(args[0], ShardedTensor):
         raise TypeError(f"{getattr(op, '__name__', op)} expects a ShardedTensor as its first argument")
     if extra_check is not None:
@@ -179,9 +173,6 @@ def local_shards_op(
 
     @functools.wraps(op)
     def impl(types: Any, args: Any = (), kwargs: Any = None, process_group: Any = None) -> Any:
-        from shardwise._vocab.shard import Shard
-        from shardwise._tensor.sharded_tensor import ShardedTensor
-
         kwargs = kwargs or {}
         st, stop = _prologue(op, args, kwargs, early_stop_func, extra_check)
         if stop:
@@ -191,7 +182,7 @@ def local_shards_op(
         else:
             new_shards = [Shard(op(shard.tensor, *args[1:], **kwargs), shard.metadata) for shard in st.local_shards()]
             metadata = st.metadata()
-        return ShardedTensor._create(st.sharding_spec(), metadata, new_shards, st._process_group)
+        return ShardedTensor._create(st.sharding_spec(), metadata, new_shards, st.process_group)
 
     return impl
 
@@ -244,8 +235,6 @@ def local_tensor_op(
 
     @functools.wraps(op)
     def impl(types: Any, args: Any = (), kwargs: Any = None, process_group: Any = None) -> Any:
-        from shardwise._tensor.sharded_tensor import ShardedTensor
-
         kwargs = kwargs or {}
         st, stop = _prologue(op, args, kwargs, early_stop_func, extra_check)
         if stop:
@@ -254,16 +243,16 @@ def local_tensor_op(
         if len(shards) > 1:
             raise TypeError(
                 f"{getattr(op, '__name__', op)} on a ShardedTensor needs one local shard per rank; "
-                f"rank {st._process_group.rank} holds {len(shards)}"
+                f"rank {st.process_group.rank} holds {len(shards)}"
             )
         if customized_func is not None:
             local, spec, size = customized_func(args, kwargs, process_group)
         elif not shards:
-            return ShardedTensor._create(st.sharding_spec(), st.metadata(), [], st._process_group)
+            return ShardedTensor._create(st.sharding_spec(), st.metadata(), [], st.process_group)
         else:
             local = op(shards[0].tensor, *args[1:], **kwargs)
             spec, size = st.sharding_spec(), st.size()
-        return ShardedTensor._init_from_local_tensor(local.contiguous(), spec, size, process_group=st._process_group)
+        return ShardedTensor._init_from_local_tensor(local.contiguous(), spec, size, process_group=st.process_group)
 
     return impl
 
@@ -286,8 +275,6 @@ def register_sharded_op_on_local_tensor(
         The registered impl.
     """
     if sharding_spec_class is None:
-        from shardwise._tensor.specs import ChunkShardingSpec
-
         sharding_spec_class = ChunkShardingSpec
     impl = local_tensor_op(op, early_stop_func, extra_check, customized_func)
     return custom_sharding_spec_op(sharding_spec_class, op)(impl)

@@ -19,12 +19,11 @@ loads like a flat one with those boxes.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple, Sequence
 
 import torch
 
-if TYPE_CHECKING:
-    from shardwise._tensor.sharded_tensor import ShardedTensor
+from shardwise._vocab.shard import Shard, ShardHolder
 
 __all__ = ["chunk_list", "leaves", "tensor_shard", "write_items"]
 
@@ -37,15 +36,13 @@ class Leaf(NamedTuple):
     sizes: torch.Size
 
 
-def leaves(st: ShardedTensor) -> list[Leaf]:
-    """The local data tensors of ``st``, nested shards unwrapped, with their global boxes."""
-    from shardwise._tensor.sharded_tensor import ShardedTensor
-
+def leaves(shards: Sequence[Shard]) -> list[Leaf]:
+    """The local data tensors of ``shards``, nested shards unwrapped, with their global boxes."""
     found = []
-    for shard in st.local_shards():
+    for shard in shards:
         base = shard.metadata.shard_offsets
-        if isinstance(shard.tensor, ShardedTensor):
-            for leaf in leaves(shard.tensor):
+        if isinstance(shard.tensor, ShardHolder):
+            for leaf in leaves(shard.tensor.local_shards()):
                 offsets = torch.Size(b + o for b, o in zip(base, leaf.offsets, strict=True))
                 found.append(Leaf(leaf.tensor, offsets, leaf.sizes))
         else:
@@ -53,23 +50,25 @@ def leaves(st: ShardedTensor) -> list[Leaf]:
     return found
 
 
-def _filled(st: ShardedTensor) -> list[Leaf]:
-    return [leaf for leaf in leaves(st) if leaf.tensor.numel() > 0]
+def _filled(shards: Sequence[Shard]) -> list[Leaf]:
+    return [leaf for leaf in leaves(shards) if leaf.tensor.numel() > 0]
 
 
 def _chunk(leaf: Leaf) -> Any:
+    # torch.distributed.checkpoint is heavy to import; only a checkpoint save or load needs it.
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
     return ChunkStorageMetadata(offsets=leaf.offsets, sizes=leaf.sizes)
 
 
-def write_items(st: ShardedTensor, fqn: str) -> list[Any]:
-    """One ``WriteItem`` (type SHARD) per non-empty local shard of ``st``, stored under ``fqn``."""
+def write_items(shards: Sequence[Shard], size: Sequence[int], fqn: str) -> list[Any]:
+    """One ``WriteItem`` (type SHARD) per non-empty local shard, stored under ``fqn``; ``size`` is the global size."""
+    # torch.distributed.checkpoint is heavy to import; only a checkpoint save or load needs it.
     from torch.distributed.checkpoint.metadata import MetadataIndex, TensorProperties
     from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
     items = []
-    for leaf in _filled(st):
+    for leaf in _filled(shards):
         chunk = _chunk(leaf)
         items.append(
             WriteItem(
@@ -78,19 +77,19 @@ def write_items(st: ShardedTensor, fqn: str) -> list[Any]:
                 tensor_data=TensorWriteData(
                     chunk=chunk,
                     properties=TensorProperties.create_from_tensor(leaf.tensor),
-                    size=torch.Size(st.size()),
+                    size=torch.Size(size),
                 ),
             )
         )
     return items
 
 
-def chunk_list(st: ShardedTensor) -> list[Any]:
+def chunk_list(shards: Sequence[Shard]) -> list[Any]:
     """``ChunkStorageMetadata`` (offsets and sizes in the global tensor) of each non-empty local shard."""
-    return [_chunk(leaf) for leaf in _filled(st)]
+    return [_chunk(leaf) for leaf in _filled(shards)]
 
 
-def tensor_shard(st: ShardedTensor, index: Any) -> torch.Tensor:
+def tensor_shard(shards: Sequence[Shard], index: Any) -> torch.Tensor:
     """The local shard tensor (not a copy) starting at ``index.offset``.
 
     Raises:
@@ -98,7 +97,7 @@ def tensor_shard(st: ShardedTensor, index: Any) -> torch.Tensor:
             and the offsets this rank holds).
     """
     offset = None if index.offset is None else torch.Size(index.offset)
-    held = leaves(st)
+    held = leaves(shards)
     for leaf in sorted(held, key=lambda leaf: leaf.tensor.numel() == 0):  # an empty box may share the offset
         if leaf.offsets == offset:
             return leaf.tensor

@@ -1,4 +1,4 @@
-"""``init_from_local_shards``: assemble a ShardedTensor from each rank's own shards."""
+"""``init_from_local_shards``'s work: a ShardedTensor's parts from each rank's own shards, checked across ranks."""
 
 from __future__ import annotations
 
@@ -6,18 +6,19 @@ from typing import Any
 
 import torch
 
+from shardwise._comm.default_group import resolve_group
+from shardwise._comm.group import Group
+from shardwise._tensor.placements import check_no_rrefs, flatten_size, validate_placements
+from shardwise._tensor.specs import ShardingSpec, infer_sharding_spec
 from shardwise._vocab.metadata import (
     ShardMetadata,
     ShardedTensorMetadata,
     TensorProperties,
 )
-from shardwise._vocab.validation import validate_layout
-from shardwise._tensor.sharded_tensor import ShardedTensor
-from shardwise._tensor.placements import check_no_rrefs, flatten_size, validate_placements
 from shardwise._vocab.shard import Shard
-from shardwise._tensor.specs import infer_sharding_spec
+from shardwise._vocab.validation import validate_layout
 
-__all__ = ["init_from_local_shards", "stacked_along_dim0"]
+__all__ = ["assemble_local_shards", "stacked_along_dim0"]
 
 
 def _local_payload(local_shards: list[Shard], global_size: tuple[Any, ...], group: Any) -> dict[str, Any]:
@@ -98,45 +99,22 @@ def stacked_along_dim0(shards: list[ShardMetadata]) -> tuple[list[ShardMetadata]
     return out, [offset, *first[1:]] if first else []
 
 
-def init_from_local_shards(
+def assemble_local_shards(
     local_shards: list[Shard],
     *global_size: Any,
     process_group: Any = None,
     init_rrefs: bool = False,
-) -> ShardedTensor:
-    """Build a ShardedTensor from the shards each rank holds, checked across ranks.
+) -> tuple[ShardingSpec, ShardedTensorMetadata, list[Shard], Group]:
+    """The parts of a ShardedTensor built from the shards each rank holds, checked across ranks.
 
-    Every rank of the group calls it. Ranks exchange their shards'
-    metadata (as JSON, through ``Group.exchange``) and each validates the
-    whole picture the same way, so invalid input raises the same error on
-    every rank instead of hanging some of them.
-
-    Args:
-        local_shards: This rank's shards (possibly none).
-        *global_size: Size of the whole tensor. ``None`` for a dim (as in
-            torch 2.13, e.g. ``init_from_local_shards(shards, None, None)``)
-            works the size out: each rank passes one shard, and the shards
-            are stacked along dim 0 in the order of their placement ranks
-            (their offsets are recomputed; the other dims' sizes come from
-            the lowest rank's shard).
-        process_group: Group, torch ProcessGroup or None.
-        init_rrefs: Must be False; checked after the shards are validated.
+    What ``ShardedTensor._init_from_local_shards`` (and so
+    ``init_from_local_shards``) builds its tensor from; see
+    :func:`shardwise._tensor.sharded_tensor.init_from_local_shards` for the
+    arguments and the errors.
 
     Returns:
-        The ShardedTensor; its spec is inferred from the shards (a chunk
-        spec when they form one).
-
-    Raises:
-        ValueError: ranks disagree on the size or tensor properties, shards
-            overlap, leave part of the tensor uncovered, stick out of it,
-            or name a rank outside the group or another rank than the one
-            passing them. A rank whose own input is bad raises the real
-            error; its peers raise :class:`~shardwise.errors.PeerError`.
-        TypeError: a local shard is not a :class:`Shard`.
-        NotImplementedError: ``init_rrefs`` is True and the shards are valid.
+        The inferred spec, the global metadata, this rank's shards and the group.
     """
-    from shardwise._comm.default_group import resolve_group
-
     # As torch 2.13: the shards are validated first (so bad input raises its ValueError even with
     # init_rrefs=True) and only a valid tensor needs the RPC shardwise lacks.
     group = resolve_group(process_group)
@@ -199,6 +177,6 @@ def init_from_local_shards(
     mine = [s for s in shards_md if s.placement is not None and s.placement.rank() == group.global_rank]
     # Reuse the global metadata objects so local shards and metadata agree by identity too.
     local = [Shard(shard.tensor, md) for shard, md in zip(local_shards, mine, strict=False)]
-    return ShardedTensor._create(spec, metadata, local, group)
+    return spec, metadata, local, group
 
 

@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 from shardwise._comm import default_group as _runtime
 from shardwise._vocab.metadata import ShardMetadata, ShardedTensorMetadata, TensorProperties
-from shardwise.errors import LocalShardsMismatchError
 from shardwise._vocab.shard import Shard
+from shardwise.errors import LocalShardsMismatchError
 
 __all__ = ["check_properties", "match_local_shards", "no_default_group", "shards_without_group"]
 

@@ -10,30 +10,32 @@ checks that the rank and the group size are the ones it was saved with.
 Because the state holds only plain data and tensors, ``torch.load`` with its
 default ``weights_only=True`` can load it once the ``ShardedTensor`` class is
 allowlisted; :func:`register_safe_globals` does that, and is called on entry
-to :func:`load_with_process_group` and whenever a ShardedTensor is pickled
-(never at import time, so importing shardwise changes no torch global state).
+to ``load_with_process_group`` (:mod:`shardwise._tensor.loading`), by
+``shardwise.init`` and whenever a ShardedTensor is pickled (never at import
+time, so importing shardwise changes no torch global state).
 """
 
 from __future__ import annotations
 
 import threading
-from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 
+from shardwise._comm.default_group import get_default_group
+from shardwise._comm.group import Group
+from shardwise._tensor.specs import ChunkShardingSpec, EnumerableShardingSpec, ShardingSpec, spec_from_dict
 from shardwise._vocab.metadata import Placement, ShardMetadata, ShardedTensorMetadata
+from shardwise._vocab.shard import Shard
 from shardwise.errors import LaunchError
 
-if TYPE_CHECKING:
-    from shardwise._comm.group import Group
-    from shardwise._tensor.sharded_tensor import ShardedTensor
-
 __all__ = [
+    "RestoredState",
+    "close_load_group",
     "current_process_group",
-    "load_with_process_group",
+    "open_load_group",
     "register_safe_globals",
-    "restore_sharded_tensor",
+    "restore_state",
     "sharded_tensor_state",
 ]
 
@@ -45,33 +47,13 @@ _current: Optional[Group] = None
 _registered = False
 
 
-@contextmanager
-def load_with_process_group(process_group: Any) -> Iterator[Any]:
-    """Load ShardedTensors (``torch.load``) into ``process_group`` inside this block.
-
-    Args:
-        process_group: A shardwise ``Group``, a torch ``ProcessGroup``,
-            None for the default group, or (on a rank outside the group)
-            torch's ``GroupMember.NON_GROUP_MEMBER``: tensors then load
-            with no local shards, as in torch.
-
-    Yields:
-        ``process_group``, as torch 2.13 does.
+def open_load_group(group: Group) -> None:
+    """Make ``group`` the one unpickled ShardedTensors attach to (``load_with_process_group`` entering).
 
     Raises:
-        RuntimeError: a ``load_with_process_group`` block is already open
-            (nesting is not supported, as in torch 2.13).
-        TypeError: ``process_group`` is not a group.
-
-    Example::
-
-        with shardwise.load_with_process_group(group):
-            st = torch.load(path, weights_only=True)
+        RuntimeError: a group is already set (nesting is not supported, as in torch 2.13).
     """
     global _current
-    from shardwise._comm.default_group import resolve_group
-
-    group = resolve_group(process_group)
     with _lock:
         if _current is not None:
             raise RuntimeError(
@@ -79,12 +61,13 @@ def load_with_process_group(process_group: Any) -> Iterator[Any]:
                 f"{_current!r}; nesting is not supported, leave the outer block first"
             )
         _current = group
-    register_safe_globals()
-    try:
-        yield process_group
-    finally:
-        with _lock:
-            _current = None
+
+
+def close_load_group() -> None:
+    """Forget the group :func:`open_load_group` set (``load_with_process_group`` leaving)."""
+    global _current
+    with _lock:
+        _current = None
 
 
 def current_process_group() -> Group:
@@ -93,14 +76,12 @@ def current_process_group() -> Group:
     Raises:
         LaunchError: no block is open and there is no default group.
     """
-    from shardwise._comm.default_group import get_default_group
-
     group = _current
     return group if group is not None else get_default_group()
 
 
-def register_safe_globals() -> None:
-    """Allowlist shardwise's classes for ``torch.load(..., weights_only=True)``.
+def register_safe_globals(tensor_class: type) -> None:
+    """Allowlist ``tensor_class`` (the ShardedTensor class) and its records for ``torch.load(weights_only=True)``.
 
     Idempotent. The ShardedTensor class is what the pickled state needs
     (the state itself holds nothing but dicts, lists, strings, numbers and
@@ -111,21 +92,15 @@ def register_safe_globals() -> None:
     global _registered
     if _registered:
         return
-    from shardwise._tensor.sharded_tensor import ShardedTensor
-
-    torch.serialization.add_safe_globals([ShardedTensor, Placement, ShardMetadata])
+    torch.serialization.add_safe_globals([tensor_class, Placement, ShardMetadata])
     _registered = True
 
 
 def _rebuildable(spec: Any) -> bool:
-    from shardwise._tensor.specs import ChunkShardingSpec, EnumerableShardingSpec
-
     return type(spec) in (ChunkShardingSpec, EnumerableShardingSpec)
 
 
 def _default_rank_size() -> Optional[dict[str, int]]:
-    from shardwise._comm.default_group import get_default_group
-
     try:
         default = get_default_group()
     except LaunchError:
@@ -133,7 +108,9 @@ def _default_rank_size() -> Optional[dict[str, int]]:
     return {"rank": default.rank, "size": default.size}
 
 
-def sharded_tensor_state(st: ShardedTensor) -> dict[str, Any]:
+def sharded_tensor_state(
+    spec: ShardingSpec, metadata: ShardedTensorMetadata, shards: Sequence[Shard], group: Group, is_param: bool
+) -> dict[str, Any]:
     """The state ``ShardedTensor.__getstate__`` returns: plain data and tensors.
 
     A spec of a class other than :class:`ChunkShardingSpec` and
@@ -141,18 +118,15 @@ def sharded_tensor_state(st: ShardedTensor) -> dict[str, Any]:
     ``spec_object``); loading it with ``weights_only=True`` then needs its
     class allowlisted with ``torch.serialization.add_safe_globals``.
     """
-    register_safe_globals()
-    group = st.process_group
-    spec = st.sharding_spec()
     state: dict[str, Any] = {
         "version": STATE_VERSION,
-        "metadata": st.metadata().to_dict(),
-        "local_shards": [{"metadata": s.metadata.to_dict(), "tensor": s.tensor} for s in st.local_shards()],
+        "metadata": metadata.to_dict(),
+        "local_shards": [{"metadata": s.metadata.to_dict(), "tensor": s.tensor} for s in shards],
         "spec": spec.to_dict() if _rebuildable(spec) else None,
         "process_group": {"rank": group.rank, "size": group.size},
         "default_group": _default_rank_size(),
         # nn.Parameter(st) marks the ShardedTensor itself; keep it a parameter after loading.
-        "is_param": bool(getattr(st, "_is_param", False)),
+        "is_param": is_param,
     }
     if not _rebuildable(spec):
         state["spec_object"] = spec
@@ -168,10 +142,21 @@ def _check_same(kind: str, what: str, saved: int, now: int) -> None:
         )
 
 
-def restore_sharded_tensor(st: ShardedTensor, state: Any) -> None:
-    """Fill a bare ``ShardedTensor`` wrapper from :func:`sharded_tensor_state`'s state.
+class RestoredState(NamedTuple):
+    """What an unpickled ShardedTensor is made of, rebuilt from :func:`sharded_tensor_state`'s state."""
 
-    Called by ``ShardedTensor.__setstate__`` while unpickling.
+    spec: ShardingSpec
+    metadata: ShardedTensorMetadata
+    shards: list[Shard]
+    group: Group
+    is_param: bool
+
+
+def restore_state(state: Any) -> RestoredState:
+    """Rebuild a ShardedTensor's parts from :func:`sharded_tensor_state`'s state, attached to the loading group.
+
+    Called by ``ShardedTensor.__setstate__`` while unpickling, which stores
+    the parts in the bare wrapper.
 
     Raises:
         RuntimeError: the state is not a shardwise ShardedTensor's, or this
@@ -181,9 +166,6 @@ def restore_sharded_tensor(st: ShardedTensor, state: Any) -> None:
         LaunchError: there is no group to load into.
         ValueError: the state's metadata is malformed.
     """
-    from shardwise._vocab.shard import Shard
-    from shardwise._tensor.specs import spec_from_dict
-
     if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
         found = state.get("version") if isinstance(state, dict) else type(state).__name__
         raise RuntimeError(
@@ -215,10 +197,4 @@ def restore_sharded_tensor(st: ShardedTensor, state: Any) -> None:
         mine.remove(same)
         local.append(Shard(entry["tensor"], same))
     spec = spec_from_dict(state["spec"]) if state.get("spec") is not None else state["spec_object"]
-    st._sharding_spec = spec
-    st._metadata = metadata
-    st._local_shards = local
-    st._process_group = group
-    st._init_rrefs = False
-    if state.get("is_param"):
-        st._is_param = True
+    return RestoredState(spec, metadata, local, group, bool(state.get("is_param")))

@@ -10,28 +10,39 @@ The result lists its shards by rank, as torch 2.13's ``reshard`` does.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from shardwise._layout.redistribute import match_sources, plan, redistribute
-from shardwise._vocab.metadata import ShardMetadata, ShardedTensorMetadata, TensorProperties
+from shardwise._comm.group import Group
 from shardwise._layout.plan import MAX_ROUNDS, rounds_needed
-from shardwise._tensor.scatter import SAME_TENSOR, build_target, check_same, layout_digest
+from shardwise._layout.redistribute import match_sources, plan, redistribute
+from shardwise._tensor.layout_checks import SAME_TENSOR, build_target, check_same, layout_digest
+from shardwise._tensor.specs import ShardingSpec
+from shardwise._vocab.metadata import ShardMetadata, ShardedTensorMetadata, TensorProperties
 from shardwise._vocab.shard import Shard
 
-if TYPE_CHECKING:
-    from shardwise._tensor.sharded_tensor import ShardedTensor
-    from shardwise._tensor.specs import ShardingSpec
-
-__all__ = ["reshard_in_place"]
+__all__ = ["reshard_shards"]
 
 
-def reshard_in_place(st: ShardedTensor, spec: ShardingSpec) -> ShardedTensor:
-    """Re-cut ``st`` by ``spec`` in place and return it (any spec to any spec).
+def reshard_shards(
+    shards: list[Shard], old: ShardedTensorMetadata, spec: Any, group: Group
+) -> tuple[ShardedTensorMetadata, list[Shard]]:
+    """A tensor's metadata and local shards re-cut by ``spec`` (any spec to any spec).
 
     Every rank calls it with the same spec. New local shards are leaves
-    with the tensor's ``requires_grad``.
+    with the tensor's ``requires_grad``; ``ShardedTensor.reshard`` stores
+    what this returns in place of its old layout.
+
+    Args:
+        shards: This rank's local shards.
+        old: The tensor's global metadata now.
+        spec: The spec to re-cut by (checked: a ShardingSpec).
+        group: The tensor's group.
+
+    Returns:
+        The new global metadata (shards listed by rank) and this rank's new
+        local shards.
 
     Raises:
         TypeError: ``spec`` is not a ShardingSpec (on that rank; peers raise
@@ -39,23 +50,17 @@ def reshard_in_place(st: ShardedTensor, spec: ShardingSpec) -> ShardedTensor:
         ValueError: ranks pass different specs, or the spec does not fit
             the tensor's size or the group (on every rank).
     """
-    from shardwise._tensor.specs import ShardingSpec
-
-    group = st._process_group
-    old = st._metadata
     if not group.is_member:
         # Outside the group: no data here, only the new global metadata (torch holds no shard there either).
         if not isinstance(spec, ShardingSpec):
             raise TypeError(f"reshard takes a ShardingSpec, got {type(spec).__name__}")
-        st._metadata = _in_rank_order(build_target(spec, old, group, "reshard"), old)
-        st._sharding_spec = spec
-        return st
+        return _in_rank_order(build_target(spec, old, group, "reshard"), old), []
     try:
         if not isinstance(spec, ShardingSpec):
             raise TypeError(f"reshard takes a ShardingSpec, got {type(spec).__name__}")
         mine: dict[str, Any] = {"spec": spec.to_dict(), "layout": layout_digest(old)}
         target = _in_rank_order(build_target(spec, old, group, "reshard"), old)
-        have = match_sources(st._local_shards, old, group.global_rank)
+        have = match_sources(shards, old, group.global_rank)
         # Each rank's own need; the exchange below makes every rank use the largest.
         pl = plan(old, target, group.rank, group.size, group.global_to_group())
         mine["rounds"] = rounds_needed(pl, old, target)
@@ -67,17 +72,13 @@ def reshard_in_place(st: ShardedTensor, spec: ShardingSpec) -> ShardedTensor:
     rounds = _agreed_rounds([e.get("rounds") for e in entries])
     if target.shards_metadata == old.shards_metadata:
         # Same boxes on the same ranks: nothing moves, the shard tensors stay.
-        shards = [
+        kept = [
             Shard(have[j] if j in have else _empty(e, target.tensor_properties), e)
             for j, e in enumerate(target.shards_metadata)
             if e.rank == group.global_rank
         ]
-    else:
-        shards = redistribute(st._local_shards, old, target, group, trusted=True, rounds=rounds)
-    st._sharding_spec = spec
-    st._metadata = target
-    st._local_shards = shards
-    return st
+        return target, kept
+    return target, redistribute(shards, old, target, group, trusted=True, rounds=rounds)
 
 
 def _in_rank_order(target: ShardedTensorMetadata, old: ShardedTensorMetadata) -> ShardedTensorMetadata:

@@ -7,8 +7,11 @@ from typing import Any, Optional, Sequence, Union
 import torch
 from torch.utils import _pytree as pytree
 
-from shardwise._vocab.metadata import ShardMetadata, ShardedTensorMetadata, TensorProperties
-from shardwise._vocab.validation import validate_layout
+from shardwise._comm.default_group import resolve_group
+from shardwise._registry.manager import get_registry
+from shardwise._tensor import dcp, pickling
+from shardwise._tensor.from_shards import assemble_local_shards
+from shardwise._tensor.gather import all_gather_tensor, gather_to
 from shardwise._tensor.local_shards import match_local_shards, no_default_group, shards_without_group
 from shardwise._tensor.placements import (
     check_no_rrefs,
@@ -17,9 +20,11 @@ from shardwise._tensor.placements import (
     local_device,
     validate_placements,
 )
+from shardwise._tensor.reshard import reshard_shards
+from shardwise._tensor.specs import ShardingSpec, infer_sharding_spec
+from shardwise._vocab.metadata import ShardMetadata, ShardedTensorMetadata, TensorProperties
 from shardwise._vocab.shard import Shard
-from shardwise._tensor.specs import ShardingSpec
-from shardwise._tensor.specs import infer_sharding_spec
+from shardwise._vocab.validation import validate_layout
 
 __all__ = ["ShardedTensor", "ShardedTensorBase", "flatten_size", "validate_placements"]
 
@@ -143,8 +148,6 @@ class ShardedTensor(ShardedTensorBase):
         process_group: Any = None,
         init_rrefs: bool = False,
     ) -> ShardedTensor:
-        from shardwise._comm.default_group import resolve_group
-
         if not isinstance(sharding_spec, ShardingSpec):
             raise TypeError(f"expected a ShardingSpec, got {type(sharding_spec).__name__}")
         if layout != torch.strided:
@@ -208,12 +211,32 @@ class ShardedTensor(ShardedTensorBase):
             device=device,
             requires_grad=props.requires_grad,
         )
-        r._sharding_spec = spec
-        r._metadata = metadata
-        r._local_shards = local_shards
-        r._process_group = group
+        r._replace(spec=spec, metadata=metadata, shards=local_shards, group=group)
         r._init_rrefs = False
         return r
+
+    def _replace(
+        self,
+        *,
+        spec: Optional[ShardingSpec] = None,
+        metadata: Optional[ShardedTensorMetadata] = None,
+        shards: Optional[list[Shard]] = None,
+        group: Any = None,
+    ) -> None:
+        """Swap parts of the tensor's layout (the only writer of its fields: construction, reshard, in-place ops).
+
+        No validation and no communication: the caller has checked that the
+        parts fit together (and, for a collective change, agreed on them).
+        Parts passed as None stay as they are.
+        """
+        if spec is not None:
+            self._sharding_spec = spec
+        if metadata is not None:
+            self._metadata = metadata
+        if shards is not None:
+            self._local_shards = shards
+        if group is not None:
+            self._process_group = group
 
     # -- construction from shards ------------------------------------------
     # torch 2.13's signature, which inserts process_group and init_rrefs before the base's sharding_spec.
@@ -243,8 +266,6 @@ class ShardedTensor(ShardedTensorBase):
             ValueError: the metadata is invalid or the local shards do not
                 match this rank's entries.
         """
-        from shardwise._comm.default_group import resolve_group
-
         check_no_rrefs(init_rrefs)
         if process_group is None and no_default_group():
             # No group anywhere: torch's ShardedTensorBase form, every shard passed is held here.
@@ -271,9 +292,10 @@ class ShardedTensor(ShardedTensorBase):
         init_rrefs: bool = False,
     ) -> ShardedTensor:
         """See :func:`shardwise.sharded_tensor.init_from_local_shards`."""
-        from shardwise._tensor.from_shards import init_from_local_shards
-
-        return init_from_local_shards(local_shards, *global_size, process_group=process_group, init_rrefs=init_rrefs)
+        spec, metadata, local, group = assemble_local_shards(
+            local_shards, *global_size, process_group=process_group, init_rrefs=init_rrefs
+        )
+        return cls._create(spec, metadata, local, group)
 
     @classmethod
     def _init_from_local_tensor(
@@ -293,8 +315,6 @@ class ShardedTensor(ShardedTensorBase):
             ValueError: the tensor does not match this rank's shard, or the
                 spec places several shards on this rank.
         """
-        from shardwise._comm.default_group import resolve_group
-
         check_no_rrefs(init_rrefs)
         group = resolve_group(process_group)
         if not isinstance(local_tensor, torch.Tensor):
@@ -400,9 +420,10 @@ class ShardedTensor(ShardedTensorBase):
         and no rank ever holds the whole tensor. Every rank calls it with
         the same spec (checked: a mismatch is a ValueError on every rank).
         """
-        from shardwise._tensor.reshard import reshard_in_place
-
-        return reshard_in_place(self, resharding_spec)
+        metadata, shards = reshard_shards(self._local_shards, self._metadata, resharding_spec, self._process_group)
+        # reshard_shards checked the spec (a TypeError on a rank that passed something else).
+        self._replace(spec=resharding_spec, metadata=metadata, shards=shards)
+        return self
 
     def gather(  # type: ignore[override]
         self,
@@ -420,9 +441,9 @@ class ShardedTensor(ShardedTensorBase):
                 before sending, as torch 2.13 does.
             dtype: The dtype ``enforce_dtype`` casts to.
         """
-        from shardwise._tensor.scatter import gather_to
-
-        gather_to(self, dst, out, enforce_dtype=enforce_dtype, dtype=dtype)
+        gather_to(
+            self._local_shards, self._metadata, self._process_group, dst, out, enforce_dtype=enforce_dtype, dtype=dtype
+        )
 
     def full_tensor(self) -> torch.Tensor:
         """The whole tensor, on every rank.
@@ -435,22 +456,17 @@ class ShardedTensor(ShardedTensorBase):
             ValueError: the ranks hold tensors built with different metadata
                 (another size or spec on some rank); raised on every rank.
         """
-        from shardwise._tensor.scatter import all_gather_tensor
-
-        if any(isinstance(s.tensor, ShardedTensor) for s in self._local_shards):
-            flat = [Shard(s.tensor.full_tensor() if isinstance(s.tensor, ShardedTensor) else s.tensor, s.metadata)
-                    for s in self._local_shards]
-            return all_gather_tensor(type(self)._create(self._sharding_spec, self._metadata, flat,
-                                                        self._process_group))
-        return all_gather_tensor(self)
+        shards = self._local_shards
+        if any(isinstance(s.tensor, ShardedTensor) for s in shards):
+            shards = [Shard(s.tensor.full_tensor() if isinstance(s.tensor, ShardedTensor) else s.tensor, s.metadata)
+                      for s in shards]
+        return all_gather_tensor(shards, self._metadata, self._sharding_spec, self._process_group)
 
     # -- torch integration -------------------------------------------------
     @classmethod
     def __torch_function__(
         cls, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Optional[dict[str, Any]] = None
     ) -> Any:
-        from shardwise._registry.manager import get_registry
-
         kwargs = kwargs or {}
         found: list[ShardedTensor] = []
 
@@ -490,31 +506,29 @@ class ShardedTensor(ShardedTensorBase):
     # -- torch.distributed.checkpoint (see _checkpoint) ---------------------
     def __create_write_items__(self, fqn: str, object: Any) -> list[Any]:
         """DCP: what this rank saves for key ``fqn``: one item per non-empty local shard."""
-        from shardwise._tensor.dcp import write_items
-
-        return write_items(self, fqn)
+        return dcp.write_items(self._local_shards, self._metadata.size, fqn)
 
     def __create_chunk_list__(self) -> list[Any]:
         """DCP: the chunks of the global tensor this rank holds (a load reads what overlaps them)."""
-        from shardwise._tensor.dcp import chunk_list
-
-        return chunk_list(self)
+        return dcp.chunk_list(self._local_shards)
 
     def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
         """DCP: the local shard tensor at ``index.offset`` (the storage itself: loads ``copy_`` into it)."""
-        from shardwise._tensor.dcp import tensor_shard
-
-        return tensor_shard(self, index)
+        return dcp.tensor_shard(self._local_shards, index)
 
     def __getstate__(self) -> Any:
-        from shardwise._tensor.pickling import sharded_tensor_state
-
-        return sharded_tensor_state(self)
+        pickling.register_safe_globals(ShardedTensor)
+        return pickling.sharded_tensor_state(
+            self._sharding_spec, self._metadata, self._local_shards, self._process_group,
+            bool(getattr(self, "_is_param", False)),
+        )
 
     def __setstate__(self, state: Any) -> None:
-        from shardwise._tensor.pickling import restore_sharded_tensor
-
-        restore_sharded_tensor(self, state)
+        restored = pickling.restore_state(state)
+        self._replace(spec=restored.spec, metadata=restored.metadata, shards=restored.shards, group=restored.group)
+        self._init_rrefs = False
+        if restored.is_param:
+            self._is_param = True
 
 
 TensorLike = Union[torch.Tensor, ShardedTensor]

@@ -5,10 +5,11 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
+from shardwise._registry.records import qualified_name
 from shardwise._vocab.metadata import (
     Placement,
     ShardMetadata,
@@ -19,11 +20,20 @@ from shardwise._vocab.metadata import (
     check_covering,
     validate_non_overlapping,
 )
-from shardwise._registry.records import qualified_name
 from shardwise.errors import InvalidArgumentError
 
-if TYPE_CHECKING:
-    from shardwise._tensor.sharded_tensor import ShardedTensor
+#: What :meth:`ShardingSpec.shard` runs: :func:`shardwise._tensor.scatter.scatter_tensor`,
+#: bound by the tensor layer's package init (``shardwise/_tensor/__init__.py``). The specs
+#: sit below ``ShardedTensor`` (which infers and rebuilds specs), while ``shard`` returns a
+#: ``ShardedTensor``; this one seam keeps the module graph acyclic instead of importing
+#: the class back from inside the method.
+_scatter: Optional[Callable[..., Any]] = None
+
+
+def bind_scatter(scatter: Callable[..., Any]) -> None:
+    """Set the function :meth:`ShardingSpec.shard` runs (the tensor layer's init does, once)."""
+    global _scatter
+    _scatter = scatter
 
 __all__ = [
     "ChunkShardingSpec",
@@ -85,7 +95,7 @@ class ShardingSpec(ABC):
                 tensor of that size.
         """
 
-    def shard(self, tensor: torch.Tensor, src_rank: int = 0, process_group: Any = None) -> ShardedTensor:
+    def shard(self, tensor: torch.Tensor, src_rank: int = 0, process_group: Any = None) -> Any:
         """Shard ``tensor`` (held by ``src_rank``) across the group by this spec.
 
         Every rank calls it; only ``src_rank``'s ``tensor`` is read, the
@@ -100,9 +110,9 @@ class ShardingSpec(ABC):
         Returns:
             The :class:`~shardwise.sharded_tensor.ShardedTensor`.
         """
-        from shardwise._tensor.scatter import scatter_tensor
-
-        return scatter_tensor(tensor, self, src_rank, process_group)
+        if _scatter is None:
+            raise RuntimeError("shardwise's tensor layer is not initialised; import shardwise first")
+        return _scatter(tensor, self, src_rank, process_group)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe form; a spec of another class is described by its repr."""

@@ -40,14 +40,13 @@ from torch.distributed._shard.sharded_tensor.metadata import TensorProperties as
 from torch.distributed._shard.sharded_tensor.shard import Shard as TorchShard
 from torch.distributed.remote_device import _remote_device
 
-from shardwise._vocab.metadata import ShardMetadata, ShardedTensorMetadata, TensorProperties
-from shardwise._registry.records import qualified_name
 from shardwise._comm.default_group import resolve_group
-from shardwise._tensor.sharded_tensor import ShardedTensor
-from shardwise._vocab.shard import Shard
-from shardwise._tensor.specs import ChunkShardingSpec, EnumerableShardingSpec, ShardingSpec
-from shardwise._tensor.specs import infer_sharding_spec
 from shardwise._comm.torch_group import TorchGroup
+from shardwise._registry.records import qualified_name
+from shardwise._tensor.sharded_tensor import ShardedTensor
+from shardwise._tensor.specs import ChunkShardingSpec, EnumerableShardingSpec, ShardingSpec, infer_sharding_spec
+from shardwise._vocab.metadata import ShardMetadata, ShardedTensorMetadata, TensorProperties
+from shardwise._vocab.shard import Shard
 
 __all__ = ["from_torch", "is_torch_sharded_tensor", "load_torch_sharded_tensor", "to_torch"]
 

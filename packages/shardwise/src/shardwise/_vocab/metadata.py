@@ -332,7 +332,10 @@ def intersect(
 ) -> Optional[tuple[list[int], list[int]]]:
     """The intersection of two boxes as ``(offsets, sizes)``, or None if empty.
 
-    Boxes with a zero-size dimension never intersect anything.
+    Boxes with a zero-size dimension never intersect anything. This is
+    the one definition of box intersection; the transfer planner
+    (:mod:`shardwise._layout.plan`) calls it for every pair of source and
+    target shard.
 
     Raises:
         ValueError: the offsets and sizes do not all have the same length.
@@ -344,8 +347,10 @@ def intersect(
         )
     offsets, sizes = [], []
     for ao, asz, bo, bsz in zip(a_offsets, a_sizes, b_offsets, b_sizes, strict=True):
-        lo = max(ao, bo)
-        hi = min(ao + asz, bo + bsz)
+        # Conditional expressions, not max/min: the planner calls this for every pair of shards.
+        lo = ao if ao > bo else bo
+        a_end, b_end = ao + asz, bo + bsz
+        hi = a_end if a_end < b_end else b_end
         if hi <= lo:
             return None
         offsets.append(lo)

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Protocol, Sequence, runtime_checkable
 
 import torch
 
 from shardwise._vocab.metadata import ShardMetadata
 
-__all__ = ["Shard"]
+__all__ = ["Shard", "ShardHolder"]
 
 
 @dataclass
@@ -61,3 +61,21 @@ def _same_device(placed: torch.device, actual: torch.device) -> bool:
     if placed.index is None or actual.index is None:
         return True
     return placed.index == actual.index
+
+
+@runtime_checkable
+class ShardHolder(Protocol):
+    """Anything that holds local shards of a global tensor: shardwise's ``ShardedTensor`` or torch's.
+
+    Code below the tensor layer's class (the DCP protocol, ``gather``) tells
+    a sharded tensor from a plain one by this protocol, so it need not import
+    the class that calls it.
+    """
+
+    def local_shards(self) -> list[Any]:
+        """The shards this rank holds."""
+        ...
+
+    def metadata(self) -> Any:
+        """The global metadata (every shard's box and placement)."""
+        ...

@@ -32,12 +32,27 @@ import heapq
 import math
 from itertools import chain
 from operator import add, gt, itemgetter, le, mul, sub
-from typing import TYPE_CHECKING, Any, Optional, Sequence
-
-if TYPE_CHECKING:
-    from shardwise._vocab.metadata import ShardMetadata
+from typing import Any, Optional, Protocol, Sequence
 
 __all__ = ["check_covering", "find_overlap", "validate_layout", "validate_non_overlapping"]
+
+class Box(Protocol):
+    """What the checks read of a shard (a :class:`~shardwise._vocab.metadata.ShardMetadata`, which imports them)."""
+
+    @property
+    def shard_offsets(self) -> list[int]:
+        """Where the box starts in each dim."""
+        ...
+
+    @property
+    def shard_sizes(self) -> list[int]:
+        """Its length in each dim."""
+        ...
+
+    def describe(self) -> str:
+        """The box and its placement, for messages."""
+        ...
+
 
 #: Shards listed at most in a covering error (a message must stay readable with 10^5 shards).
 _LISTED = 8
@@ -49,13 +64,13 @@ _FEW = 16
 _CELLS_PER_SHARD = 8
 
 
-def _describe(shards: Sequence[ShardMetadata]) -> str:
+def _describe(shards: Sequence[Box]) -> str:
     shown = "; ".join(s.describe() for s in shards[:_LISTED])
     more = len(shards) - _LISTED
     return shown + (f"; ... and {more} more" if more > 0 else "")
 
 
-def _check_dims(shards: Sequence[ShardMetadata]) -> int:
+def _check_dims(shards: Sequence[Box]) -> int:
     ndim = len(shards[0].shard_offsets)
     for i, shard in enumerate(shards):
         if len(shard.shard_offsets) != ndim:
@@ -66,7 +81,7 @@ def _check_dims(shards: Sequence[ShardMetadata]) -> int:
     return ndim
 
 
-def _overlaps(a: ShardMetadata, b: ShardMetadata, dims: Sequence[int]) -> bool:
+def _overlaps(a: Box, b: Box, dims: Sequence[int]) -> bool:
     ao, asz, bo, bsz = a.shard_offsets, a.shard_sizes, b.shard_offsets, b.shard_sizes
     for d in dims:
         if ao[d] >= bo[d] + bsz[d] or bo[d] >= ao[d] + asz[d]:
@@ -90,7 +105,7 @@ def _one_dim(starts: Sequence[int], lengths: Sequence[int]) -> Optional[tuple[in
     return (k, k + 1) if order is None else (order[k], order[k + 1])
 
 
-def _two_dims(shards: Sequence[ShardMetadata], idx: Sequence[int], a: int, b: int) -> Optional[tuple[int, int]]:
+def _two_dims(shards: Sequence[Box], idx: Sequence[int], a: int, b: int) -> Optional[tuple[int, int]]:
     """Sweep along ``a``; the shards crossing the sweep line are disjoint along ``b``."""
     order = sorted(idx, key=lambda i: shards[i].shard_offsets[a])
     expiry: list[tuple[int, int]] = []  # (end along a, shard)
@@ -115,7 +130,7 @@ def _two_dims(shards: Sequence[ShardMetadata], idx: Sequence[int], a: int, b: in
     return None
 
 
-def _cells(shards: Sequence[ShardMetadata], idx: Sequence[int], dims: Sequence[int]) -> Optional[tuple[int, int]]:
+def _cells(shards: Sequence[Box], idx: Sequence[int], dims: Sequence[int]) -> Optional[tuple[int, int]]:
     """Claim elementary cells in a dict; None means no overlap. Raises OverflowError past the budget."""
     cuts: list[list[int]] = []
     for d in dims:
@@ -155,7 +170,7 @@ def _product(spans: Sequence[range]) -> list[tuple[int, ...]]:
 
 
 def _sweep(
-    shards: Sequence[ShardMetadata], idx: Sequence[int], dims: Sequence[int], a: int
+    shards: Sequence[Box], idx: Sequence[int], dims: Sequence[int], a: int
 ) -> Optional[tuple[int, int]]:
     """Sweep along ``a``, comparing each shard with every shard crossing the sweep line."""
     order = sorted(idx, key=lambda i: shards[i].shard_offsets[a])
@@ -176,7 +191,7 @@ def _sweep(
 class _Columns:
     """The shards' offsets and sizes, one tuple per dimension (built once, read by both checks)."""
 
-    def __init__(self, shards: Sequence[ShardMetadata]) -> None:
+    def __init__(self, shards: Sequence[Box]) -> None:
         self.ndim = len(shards[0].shard_offsets) if shards else 0
         offsets = [s.shard_offsets for s in shards]
         self.uniform = len(set(map(len, offsets))) <= 1
@@ -188,7 +203,7 @@ class _Columns:
             )
 
 
-def find_overlap(shards: Sequence[ShardMetadata], columns: Optional[_Columns] = None) -> Optional[tuple[int, int]]:
+def find_overlap(shards: Sequence[Box], columns: Optional[_Columns] = None) -> Optional[tuple[int, int]]:
     """The indices ``(i, j)``, ``i < j``, of two overlapping non-empty shards, or None.
 
     Shards with no elements never overlap anything.
@@ -205,7 +220,7 @@ def find_overlap(shards: Sequence[ShardMetadata], columns: Optional[_Columns] = 
         _check_dims(shards)
     ndim = cols.ndim
     idx: Sequence[int] = range(len(shards))
-    sub: Sequence[ShardMetadata] = shards
+    sub: Sequence[Box] = shards
     starts_by_dim, sizes_by_dim = cols.starts, cols.sizes
     if any(0 in column for column in sizes_by_dim):
         idx = [i for i, s in enumerate(shards) if 0 not in s.shard_sizes]
@@ -246,7 +261,7 @@ def find_overlap(shards: Sequence[ShardMetadata], columns: Optional[_Columns] = 
     return i, j
 
 
-def _find_overlap_direct(shards: Sequence[ShardMetadata]) -> Optional[tuple[int, int]]:
+def _find_overlap_direct(shards: Sequence[Box]) -> Optional[tuple[int, int]]:
     """:func:`find_overlap` without prebuilt columns: few passes over the shards, each in C where it can be.
 
     Its fixed cost is below torch 2.13's for a handful of shards, and it
@@ -280,7 +295,7 @@ def _find_overlap_direct(shards: Sequence[ShardMetadata]) -> Optional[tuple[int,
 
 
 def _find_overlap_exact(
-    shards: Sequence[ShardMetadata],
+    shards: Sequence[Box],
     lengths: Sequence[Sequence[int]],
     starts_by_dim: Sequence[Sequence[int]],
     sharded: list[int],
@@ -323,7 +338,7 @@ def _ordered(pair: Optional[tuple[int, int]]) -> Optional[tuple[int, int]]:
     return pair[1], pair[0]
 
 
-def validate_non_overlapping(shards: Sequence[ShardMetadata], columns: Optional[_Columns] = None) -> None:
+def validate_non_overlapping(shards: Sequence[Box], columns: Optional[_Columns] = None) -> None:
     """Raise if two non-empty shards overlap; O(n log n) in the number of shards.
 
     Args:
@@ -347,7 +362,7 @@ def validate_non_overlapping(shards: Sequence[ShardMetadata], columns: Optional[
 
 
 def check_covering(
-    shards: Sequence[ShardMetadata], tensor_size: Sequence[int], columns: Optional[_Columns] = None
+    shards: Sequence[Box], tensor_size: Sequence[int], columns: Optional[_Columns] = None
 ) -> None:
     """Raise unless the shards fit in the tensor and (with no overlaps) cover it.
 
@@ -392,7 +407,7 @@ def check_covering(
         )
 
 
-def _covered(shards: Sequence[ShardMetadata], size: list[int]) -> int:
+def _covered(shards: Sequence[Box], size: list[int]) -> int:
     """The elements the shards hold, raising for one of the wrong rank or a non-empty one outside ``size``.
 
     One pass with no intermediate lists; the common ranks unpack each shard's
@@ -452,7 +467,7 @@ def _covered(shards: Sequence[ShardMetadata], size: list[int]) -> int:
     return total
 
 
-def validate_layout(shards: Sequence[ShardMetadata], tensor_size: Sequence[int]) -> None:
+def validate_layout(shards: Sequence[Box], tensor_size: Sequence[int]) -> None:
     """:func:`validate_non_overlapping` then :func:`check_covering`: what shardwise's constructors run.
 
     Both take their direct paths (no shared columns): measured faster than
@@ -465,7 +480,7 @@ def validate_layout(shards: Sequence[ShardMetadata], tensor_size: Sequence[int])
     check_covering(shards, tensor_size)
 
 
-def _raise_outside(shards: Sequence[ShardMetadata], size: list[Any]) -> None:
+def _raise_outside(shards: Sequence[Box], size: list[Any]) -> None:
     """Raise for the first shard of the wrong rank or the first non-empty one outside ``size``."""
     for i, shard in enumerate(shards):
         if len(shard.shard_offsets) != len(size):

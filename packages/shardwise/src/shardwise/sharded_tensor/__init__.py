@@ -7,14 +7,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from shardwise._modules.state_dict import pre_load_state_dict_hook, state_dict_hook
+from shardwise._tensor.creation import empty, full, init_from_local_shards, ones, rand, randn, zeros
 from shardwise._tensor.custom_ops import custom_sharded_op_impl, local_shards_op, local_tensor_op
-from shardwise._vocab.metadata import ShardMetadata, ShardedTensorMetadata, TensorProperties
-from shardwise._modules.sharding import pre_load_state_dict_hook, state_dict_hook
 from shardwise._tensor.sharded_tensor import ShardedTensor, ShardedTensorBase
-from shardwise._tensor.creation import empty, full, ones, rand, randn, zeros
-from shardwise._tensor.from_shards import init_from_local_shards
-from shardwise._vocab.shard import Shard
 from shardwise._tensor.torch_interop import from_torch, to_torch
+from shardwise._vocab.metadata import ShardMetadata, ShardedTensorMetadata, TensorProperties
+from shardwise._vocab.shard import Shard
 from shardwise.sharded_tensor._torch_ops import allclose, constant_, equal, kaiming_uniform_, normal_, uniform_
 from shardwise.sharding_spec import ShardingSpec  # noqa: F401 - torch's package has the name too
 from shardwise.sharding_spec.chunk_sharding_spec_ops._plugin import load as _load_embedding_plugin

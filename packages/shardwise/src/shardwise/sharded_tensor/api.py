@@ -11,8 +11,8 @@ from typing import Any
 import torch
 
 from shardwise import sharding_spec as shard_spec
-from shardwise._vocab.metadata import ShardedTensorMetadata, TensorProperties
 from shardwise._tensor.sharded_tensor import ShardedTensor, ShardedTensorBase
+from shardwise._vocab.metadata import ShardedTensorMetadata, TensorProperties
 from shardwise._vocab.shard import Shard
 from shardwise.sharded_tensor.reshard import reshard_local_shard, reshuffle_local_shard
 from shardwise.sharded_tensor.utils import (

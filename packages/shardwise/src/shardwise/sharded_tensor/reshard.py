@@ -17,9 +17,9 @@ from typing import Any, Optional, Sequence
 import torch
 
 from shardwise import sharding_spec as shard_spec
-from shardwise._vocab.metadata import Placement, ShardMetadata
-from shardwise._comm.default_group import resolve_group
 from shardwise._comm.autograd import all_to_all, all_to_all_single
+from shardwise._comm.default_group import resolve_group
+from shardwise._vocab.metadata import Placement, ShardMetadata
 from shardwise._vocab.shard import Shard
 from shardwise.sharding_spec._internals import get_chunked_dim_size, get_split_size
 

@@ -15,8 +15,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from shardwise._vocab.metadata import Placement, ShardMetadata, ShardedTensorMetadata, TensorProperties
 from shardwise._comm.default_group import resolve_group
+from shardwise._vocab.metadata import Placement, ShardMetadata, ShardedTensorMetadata, TensorProperties
 from shardwise._vocab.shard import Shard
 from shardwise.sharding_spec._internals import check_tensor, validate_non_overlapping_shards_metadata
 

@@ -6,7 +6,6 @@ Names follow ``torch.distributed._shard.sharding_spec`` (torch 2.13).
 from __future__ import annotations
 
 from shardwise._tensor.custom_ops import custom_sharding_spec_op
-from shardwise._vocab.metadata import Placement, ShardMetadata
 from shardwise._tensor.specs import (
     ChunkShardingSpec,
     DevicePlacementSpec,
@@ -17,6 +16,7 @@ from shardwise._tensor.specs import (
     infer_sharding_spec,
     spec_from_dict,
 )
+from shardwise._vocab.metadata import Placement, ShardMetadata
 
 # Public module paths in reprs, messages and pickles (the classes live in private modules).
 for _cls in (ChunkShardingSpec, DevicePlacementSpec, EnumerableShardingSpec, PlacementSpec, ShardingSpec, Placement):

@@ -9,8 +9,6 @@ from __future__ import annotations
 from typing import Sequence
 
 from shardwise._tensor.custom_ops import custom_sharding_spec_op
-from shardwise._vocab.metadata import ShardMetadata
-from shardwise.sharded_tensor import metadata as sharded_tensor_meta
 from shardwise._tensor.specs import (
     DevicePlacementSpec,
     EnumerableShardingSpec,
@@ -18,6 +16,8 @@ from shardwise._tensor.specs import (
     ShardingSpec,
     infer_sharding_spec,
 )
+from shardwise._vocab.metadata import ShardMetadata
+from shardwise.sharded_tensor import metadata as sharded_tensor_meta
 from shardwise.sharding_spec._internals import (
     check_tensor,
     get_chunked_dim_size,

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from shardwise._vocab.metadata import ShardMetadata
-from shardwise.sharded_tensor import metadata as sharded_tensor_meta
-from shardwise._vocab.shard import Shard
 from shardwise._tensor.specs import ChunkShardingSpec, ShardingSpec
+from shardwise._vocab.metadata import ShardMetadata
+from shardwise._vocab.shard import Shard
+from shardwise.sharded_tensor import metadata as sharded_tensor_meta
 from shardwise.sharding_spec._internals import get_chunked_dim_size, get_split_size
 
 __all__ = [

@@ -79,7 +79,9 @@ def _start_store() -> Any:
     # The parent hosts the rendezvous store on a port the OS picks and
     # keeps it open for the whole run, so concurrent runs never collide on
     # a port and no rank races another to bind it (ranks connect as
-    # clients, as under torchrun's agent store).
+    # clients, as under torchrun's agent store). torch.distributed is
+    # imported here, not at the top: the harness module is imported by
+    # every test, and only a run that rendezvouses needs it.
     import torch.distributed as dist
 
     return dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)

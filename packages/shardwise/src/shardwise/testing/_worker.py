@@ -12,6 +12,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+import shardwise
+
 
 def _rank() -> int:
     for name in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"):
@@ -35,8 +37,6 @@ def main(spec_path: str) -> int:
         for part in spec["qualname"].split("."):
             target = getattr(target, part)
         if spec["backend"] is not None:
-            import shardwise
-
             shardwise.init(spec["backend"], timeout=spec["init_timeout"])
         result = target(*spec["args"], **spec["kwargs"])
         if spec["backend"] is not None:

@@ -16,13 +16,12 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch.utils import _pytree as pytree
 
-from shardwise._vocab.metadata import Placement, ShardMetadata, ShardedTensorMetadata, TensorProperties
 from shardwise._registry.records import ShardedOp, qualified_name
-from shardwise.errors import UnsupportedOperandError
 from shardwise._tensor.sharded_tensor import ShardedTensor
+from shardwise._tensor.specs import ChunkShardingSpec, EnumerableShardingSpec, ShardingSpec, infer_sharding_spec
+from shardwise._vocab.metadata import Placement, ShardMetadata, ShardedTensorMetadata, TensorProperties
 from shardwise._vocab.shard import Shard
-from shardwise._tensor.specs import ChunkShardingSpec, EnumerableShardingSpec, ShardingSpec
-from shardwise._tensor.specs import infer_sharding_spec
+from shardwise.errors import UnsupportedOperandError
 
 __all__ = [
     "BoxKey",
@@ -128,7 +127,7 @@ def set_properties(st: ShardedTensor, props: TensorProperties) -> None:
     """Give ``st`` new tensor properties after an in-place change, and keep the wrapper's flag in step."""
     if props == st.metadata().tensor_properties:
         return
-    st._metadata = with_properties(st.metadata(), props)
+    st._replace(metadata=with_properties(st.metadata(), props))
     with torch._C.DisableTorchFunctionSubclass():
         # The wrapper's own autograd flag: read by code that looks below the
         # registry (torch's C++ checks); shards carry the real autograd state.
@@ -237,7 +236,7 @@ def map_shards(
         set_properties(target, replace(target.metadata().tensor_properties, requires_grad=props.requires_grad))
         return target
     return ShardedTensor._create(
-        ref.sharding_spec(), with_properties(ref.metadata(), props), shards, ref._process_group
+        ref.sharding_spec(), with_properties(ref.metadata(), props), shards, ref.process_group
     )
 
 

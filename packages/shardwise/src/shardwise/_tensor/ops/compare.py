@@ -34,9 +34,9 @@ from typing import Any, Callable
 import torch
 
 from shardwise._registry.records import ShardedOp
-from shardwise.errors import GroupMismatchError, PeerError
-from shardwise._tensor.sharded_tensor import ShardedTensor
 from shardwise._tensor.ops.common import box_key, layout_key, local_by_box, op_name, records_for
+from shardwise._tensor.sharded_tensor import ShardedTensor
+from shardwise.errors import GroupMismatchError, PeerError
 
 __all__ = ["records"]
 
@@ -52,7 +52,7 @@ def _group_of(args: Any, kwargs: Any) -> Any:
     """The group of the first ShardedTensor argument (dispatch guarantees there is one)."""
     for value in (*args, *(kwargs or {}).values()):
         if isinstance(value, ShardedTensor):
-            return value._process_group
+            return value.process_group
     raise TypeError("expected a ShardedTensor argument")
 
 
@@ -68,10 +68,10 @@ def _check_one_group(name: str, args: Any, kwargs: Any) -> None:
     """
     tensors = [x for x in (*args, *(kwargs or {}).values()) if isinstance(x, ShardedTensor)]
     for other in tensors[1:]:
-        if not _same_group(tensors[0]._process_group, other._process_group):
+        if not _same_group(tensors[0].process_group, other.process_group):
             raise GroupMismatchError(
-                f"{name}: the ShardedTensors live in different process groups ({tensors[0]._process_group!r} and "
-                f"{other._process_group!r}), so no collective can compare them; move one into the other's group "
+                f"{name}: the ShardedTensors live in different process groups ({tensors[0].process_group!r} and "
+                f"{other.process_group!r}), so no collective can compare them; move one into the other's group "
                 "first, e.g. b.to(process_group=...). All distributed tensors should use the same ProcessGroup "
                 "if used together in an op."
             )
@@ -162,7 +162,7 @@ def _reduction(kind: str) -> Callable[..., Any]:
         tensors = [shard.tensor for shard in st.local_shards()]
         here = any(bool(t.any()) for t in tensors) if kind == "any" else all(bool(t.all()) for t in tensors)
         # Outside the group there is no collective to join: the answer is this rank's own (over no shards).
-        group = st._process_group
+        group = st.process_group
         flag = _agree(group, here, "max" if kind == "any" else "min") if group.is_member else here
         return torch.tensor(flag, device=st.device)
 

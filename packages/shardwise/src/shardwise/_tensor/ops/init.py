@@ -25,9 +25,9 @@ from typing import Any, Callable
 import torch
 
 from shardwise._registry.records import ShardedOp
-from shardwise._tensor.sharded_tensor import ShardedTensor
 from shardwise._tensor.ops.common import map_shards, record
 from shardwise._tensor.ops.random import fill_normal, fill_uniform
+from shardwise._tensor.sharded_tensor import ShardedTensor
 
 __all__ = ["records"]
 

@@ -20,10 +20,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from shardwise._tensor.custom_ops import local_shards_op
-from shardwise._vocab.metadata import ShardedTensorMetadata, TensorProperties
+from shardwise._comm.default_group import resolve_group
 from shardwise._registry.records import ShardedOp
-from shardwise._tensor.sharded_tensor import ShardedTensor
+from shardwise._tensor.custom_ops import local_shards_op
 from shardwise._tensor.ops.common import (
     box_key,
     map_shards,
@@ -35,6 +34,8 @@ from shardwise._tensor.ops.common import (
     with_properties,
 )
 from shardwise._tensor.ops.random import fill_normal, fill_uniform
+from shardwise._tensor.sharded_tensor import ShardedTensor
+from shardwise._vocab.metadata import ShardedTensorMetadata, TensorProperties
 from shardwise._vocab.shard import Shard
 
 __all__ = ["records"]
@@ -147,17 +148,15 @@ def convert(
     rank's current CUDA device). Returns ``st`` itself when nothing
     changes and ``copy`` is False, as ``Tensor.to`` does.
     """
-    from shardwise._comm.default_group import resolve_group
-
     props = st.metadata().tensor_properties
-    group = st._process_group if process_group is None else resolve_group(process_group)
+    group = st.process_group if process_group is None else resolve_group(process_group)
     new_dtype = props.dtype if dtype is None else dtype
     shards_md = st.metadata().shards_metadata
     same_device = device is None or all(
         md.placement is not None and md.placement.device() == device for md in shards_md
     )
     changed = new_dtype != props.dtype or not same_device or copy
-    if not changed and group is st._process_group:
+    if not changed and group is st.process_group:
         return st
     spec, new_md = (st.sharding_spec(), list(shards_md)) if same_device else moved(st, device)  # type: ignore[arg-type]
     by_box = {box_key(md): md for md in new_md}
@@ -172,7 +171,7 @@ def convert(
         new_dtype, props.layout, requires_grad, props.memory_format, props.pin_memory and not changed
     )
     metadata = ShardedTensorMetadata(new_md, st.size(), new_props)
-    if group is st._process_group:
+    if group is st.process_group:
         return ShardedTensor._create(spec, metadata, local, group)
     return ShardedTensor._init_from_local_shards_and_global_metadata(local, metadata, group, sharding_spec=spec)
 
@@ -260,11 +259,11 @@ def _data_set(types: Any, args: Any, kwargs: Any, process_group: Any) -> None:
     with torch._C.DisableTorchFunctionSubclass():
         # The wrapper itself takes the new dtype and device (its autograd flag stays).
         torch.Tensor.data.__set__(st, new)  # type: ignore[attr-defined]
-    st._sharding_spec = new.sharding_spec()
     props = replace(new.metadata().tensor_properties, requires_grad=requires_grad)
-    st._metadata = with_properties(new.metadata(), props)
-    st._local_shards = local
-    st._process_group = new._process_group
+    st._replace(
+        spec=new.sharding_spec(), metadata=with_properties(new.metadata(), props), shards=local,
+        group=new.process_group,
+    )
 
 
 # -- copy_ ---------------------------------------------------------------------------------------
@@ -328,7 +327,7 @@ def like(
     if device is not None:
         spec, shards_md = moved(st, torch.device(device))
     pin = bool(kwargs.get("pin_memory", False))
-    group = st._process_group
+    group = st.process_group
     local = [
         Shard(torch.empty(md.shard_sizes, dtype=dtype, device=md.placement.device(), pin_memory=pin), md)  # type: ignore[union-attr]
         for md in shards_md

@@ -1,0 +1,62 @@
+"""What ranks compare before a verb moves data: the spec's target layout and a digest of the tensor's.
+
+Every data-moving verb (``shard_tensor``, ``reshard``, ``gather``,
+``full_tensor``) lets the ranks agree on what they were asked to do before
+any byte moves; these are the facts they compare and the one wording of
+"ranks disagree" they raise on every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from typing import Any, Sequence
+
+from shardwise._comm.group import Group
+from shardwise._tensor.placements import validate_placements
+from shardwise._tensor.specs import ShardingSpec
+from shardwise._vocab.metadata import ShardedTensorMetadata
+
+__all__ = ["SAME_TENSOR", "build_target", "check_same", "layout_digest"]
+
+SAME_TENSOR = "every rank must call it on the same ShardedTensor (built with the same metadata)"
+
+
+def layout_digest(md: ShardedTensorMetadata) -> str:
+    """A short digest of ``md`` (boxes, placements, size, properties) for ranks to compare."""
+    return hashlib.sha256(json.dumps(md.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def check_same(values: Sequence[Any], what: str, hint: str) -> None:
+    """Raise ValueError naming rank 0's and the first differing rank's value, if any differ."""
+    for r, value in enumerate(values):
+        if value != values[0]:
+            # Also torch 2.13's wording ("src_rank=0 on rank: 0 does not match with src_rank=1 on rank: 1").
+            name = what.replace(" ", "_")
+            torch_words = (
+                f" ({name}={values[0]} on rank: 0 does not match with {name}={value} on rank: {r})"
+                if name.isidentifier()
+                else ""
+            )
+            raise ValueError(
+                f"ranks disagree on the {what}: rank 0 passed {values[0]}, rank {r} passed {value}; {hint}{torch_words}"
+            )
+
+
+def build_target(spec: ShardingSpec, md: ShardedTensorMetadata, group: Group, verb: str) -> ShardedTensorMetadata:
+    """The metadata ``spec`` gives a tensor like ``md``'s, checked against the group.
+
+    Raises:
+        ValueError: the spec cannot shard a tensor of that size, or places a
+            shard outside the group (the message names the spec and size).
+    """
+    size = list(md.size)
+    try:
+        target = spec.build_metadata(md.size, dataclasses.replace(md.tensor_properties))
+        validate_placements(target.shards_metadata, group, need_rank=True)
+        if list(target.size) != size:
+            raise ValueError(f"it builds a tensor of size {list(target.size)}")
+    except Exception as exc:
+        raise ValueError(f"cannot {verb} a tensor of size {size} with {spec!r}: {exc}") from exc
+    return target

@@ -1,0 +1,151 @@
+"""``Group.agree``, the one agreement primitive, and what is built on it (all_gather_json, exchange, reject)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import torch
+
+import shardwise
+from shardwise._comm.agreement import AGREED_ERRORS, CallLabel, labelled, peer_error
+from shardwise.errors import PeerError
+from shardwise.sdk import AGREED_ERRORS as SDK_AGREED_ERRORS
+
+from rank_helpers import outcome
+from rank_helpers import run as _run
+
+
+def _raise(error: Exception) -> Any:
+    raise error
+
+
+def agree_battery() -> dict[str, Any]:
+    g = shardwise.get_default_group()
+    r = g.rank
+    seen: dict[str, Any] = {}
+    # No failure: each rank gets its own value back, or everyone's with gather=True.
+    seen["own"] = g.agree(lambda: r * 10, op="my_op")
+    seen["none"] = g.agree(lambda: None, op="my_op")
+    seen["gathered"] = g.agree(lambda: {"rank": r, "t": (r, "x")}, op="my_op", gather=True)
+    # A value too big for the handshake row takes a second all-gather; mixed sizes too.
+    seen["big"] = g.agree(lambda: "y" * (5000 if r == 1 else 3), op="my_op", gather=True)
+    seen["json"] = g.all_gather_json([r, None, 1.5])
+    seen["alias"] = g.exchange([r]) == g.all_gather_json([r])
+    # Every agreed kind: the rank at fault keeps its exception, the others raise one PeerError.
+    for kind in (*AGREED_ERRORS, RuntimeError, OSError):
+        seen[kind.__name__] = outcome(
+            lambda kind=kind: g.agree(  # type: ignore[misc]
+                lambda: _raise(kind(f"bad {kind.__name__} here")) if r == 1 else 1, op="my_op"
+            )
+        )
+    # Two ranks at fault: both named, in one sentence.
+    seen["two"] = outcome(
+        lambda: g.agree(lambda: _raise(ValueError("mine")) if r in (0, 1) else 1, op="two_op", gather=True)
+    )
+    # Not JSON-safe: a TypeError on that rank.
+    seen["not_json"] = outcome(lambda: g.agree(lambda: object() if r == 0 else 1, op="my_op", gather=True))
+    # A rank that rejects meets peers in a plain agreement or a collective.
+    seen["reject"] = outcome(
+        lambda: g.reject(KeyError("no such key"), op="my_op") if r == 1 else g.agree(lambda: 1, op="my_op")
+    )
+    # The group stays in step, with and without per-collective verification.
+    g.verify = False
+    seen["unverified"] = outcome(lambda: g.agree(lambda: _raise(IndexError("i")) if r == 1 else 1, op="x"))
+    g.verify = True
+    seen["after"] = float(g.all_reduce(torch.ones(1)).item())
+    return seen
+
+
+def test_agree_on_ranks() -> None:
+    results = _run(agree_battery, 3)
+    for r, seen in enumerate(results):
+        assert seen["own"] == r * 10 and seen["none"] is None
+        assert seen["gathered"] == [{"rank": s, "t": [s, "x"]} for s in range(3)]
+        assert seen["big"] == ["yyy", "y" * 5000, "yyy"]
+        assert seen["json"] == [[s, None, 1.5] for s in range(3)]
+        assert seen["alias"] is True
+        for kind in (*AGREED_ERRORS, RuntimeError, OSError):
+            name, message = seen[kind.__name__]
+            if r == 1:
+                assert name == kind.__name__ and f"bad {kind.__name__} here" in message, (kind, name, message)
+            else:
+                assert name == "PeerError", (kind, name, message)
+                assert message.startswith(f"my_op: rank 1 ({kind.__name__}) rejected its arguments"), message
+                assert f"bad {kind.__name__} here" in message, message
+        if r in (0, 1):
+            assert seen["two"] == ("ValueError", "mine")
+        else:
+            assert seen["two"][0] == "PeerError"
+            assert seen["two"][1].startswith("two_op: rank 0 (ValueError), rank 1 (ValueError) rejected their"), seen
+        assert seen["not_json"][0] == ("TypeError" if r == 0 else "PeerError"), seen["not_json"]
+        assert seen["reject"][0] == ("KeyError" if r == 1 else "PeerError"), seen["reject"]
+        assert seen["unverified"][0] == ("IndexError" if r == 1 else "PeerError"), seen["unverified"]
+        assert seen["after"] == 3.0
+
+
+def test_one_table_and_one_wording() -> None:
+    assert SDK_AGREED_ERRORS is AGREED_ERRORS
+    assert {TypeError, ValueError, IndexError, KeyError, NotImplementedError} <= set(AGREED_ERRORS)
+    error = peer_error("op", [(1, "ValueError", "bad")])
+    assert isinstance(error, PeerError)
+    assert str(error) == (
+        "op: rank 1 (ValueError) rejected its arguments, so no data was sent (rank 1: bad); "
+        "see that rank's traceback for the cause"
+    )
+
+
+def test_reject_refuses_other_kinds_locally() -> None:
+    # Refused before anything is sent: a group with no backend is enough.
+    with pytest.raises(TypeError, match=r"reject\(\) takes a TypeError, .* got RuntimeError"):
+        _bare().reject(RuntimeError("x"))
+
+
+def _bare() -> shardwise.Group:
+    return _GroupForLabels(backend="none", rank=0, size=1, device=torch.device("cpu"))
+
+
+def test_call_labels_are_immutable_nested_and_per_thread() -> None:
+    group, other = _bare(), _bare()
+    assert group._describe("all_gather") == "all_gather"
+    with labelled(CallLabel(group, "shard_tensor")):
+        assert group._describe("all_gather") == "shard_tensor"
+        assert other._describe("all_gather") == "all_gather"  # another group's primitive is not labelled
+        with labelled(CallLabel(group, "shard_tensor", agreeing=True)):
+            assert group._describe("all_gather") == "shard_tensor (agreeing on its arguments)"
+            seen: list[str] = []
+            thread = threading.Thread(target=lambda: seen.append(group._describe("all_gather")))
+            thread.start()
+            thread.join()
+            assert seen == ["all_gather"]  # a thread does not see this thread's label
+        assert group._describe("all_gather") == "shard_tensor"
+    assert group._describe("all_gather") == "all_gather"
+    label = CallLabel(group, "x")
+    with pytest.raises(AttributeError):
+        label.call = "y"  # type: ignore[misc]
+
+
+class _GroupForLabels(shardwise.Group):
+    """A group with no backend, for the label test (only ``_describe`` is called)."""
+
+    def _barrier(self) -> None:
+        raise NotImplementedError
+
+    def _broadcast(self, buf: torch.Tensor, src: int) -> None:
+        raise NotImplementedError
+
+    def _all_reduce(self, buf: torch.Tensor, op: str) -> None:
+        raise NotImplementedError
+
+    def _all_gather(self, out: torch.Tensor, inp: torch.Tensor, counts: Any) -> None:
+        raise NotImplementedError
+
+    def _reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, counts: Any, op: str) -> None:
+        raise NotImplementedError
+
+    def _all_to_all(self, out: torch.Tensor, out_counts: Any, inp: torch.Tensor, in_counts: Any) -> None:
+        raise NotImplementedError
+
+    def _new_group(self, ranks: Any) -> Any:
+        raise NotImplementedError
