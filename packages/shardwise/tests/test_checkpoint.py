@@ -335,7 +335,7 @@ def test_exchange_rejects_a_pickle_from_a_peer_unread() -> None:
 
 
 def test_leftovers_are_matched_by_exact_name_never_another_checkpoints(tmp_path: Path) -> None:
-    from shardwise.checkpoint import _siblings
+    from shardwise._modules.checkpoint import _siblings
 
     token = "ab" * 16
     mine = [f".ckpt[1].saving-{token}", f".ckpt[1].old-{token}"]

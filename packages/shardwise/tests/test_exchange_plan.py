@@ -19,7 +19,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as hst
 
-from shardwise._layout.plan import MAX_ROUNDS, Run, restrict, rounds_needed, slab_plans, slabs
+from shardwise._layout.plan import MAX_ROUNDS, Run, restrict, slab_plans, slabs
 from shardwise._layout.redistribute import (
     Piece,
     TransferPlan,
@@ -214,7 +214,7 @@ def test_random_layouts_moved_in_rounds_are_exact(
     plans = simulate(src, dst, world, rounds)
     rows = src.size[0] if len(src.size) else 0
     for p in plans:
-        needed = rounds_needed(p, src, dst)
+        needed = p.rounds
         assert 1 <= needed <= MAX_ROUNDS
         if rows > 1:
             # The slabs cut every piece without losing or repeating an element.
@@ -376,22 +376,22 @@ def test_rounds_keep_each_ranks_buffers_within_its_shard() -> None:
     for src, dst in ((rows, cols), (cols, rows)):
         plans = [plan(src, dst, r, 4) for r in range(4)]
         assert [_buffers(p, src, dst) for p in plans] == [12, 24, 24, 12]
-        needed = [rounds_needed(p, src, dst) for p in plans]
+        needed = [p.rounds for p in plans]
         assert needed == [1, 2, 2, 1]
         for lo, hi in slabs(8, max(needed)):
             assert all(_buffers(restrict(p, lo, hi), src, dst) <= 16 for p in plans)
         simulate(src, dst, 4, max(needed))
     # On 2 ranks one side of the exchange is always a view: no rounds.
     rows2, cols2 = _chunk([8, 8], 0, [0, 1]), _chunk([8, 8], 1, [0, 1])
-    assert [rounds_needed(plan(rows2, cols2, r, 2), rows2, cols2) for r in range(2)] == [1, 1]
+    assert [plan(rows2, cols2, r, 2).rounds for r in range(2)] == [1, 1]
     # Nothing on the wire: one round, whatever the layout.
-    assert rounds_needed(plan(rows, rows, 1, 4), rows, rows) == 1
+    assert plan(rows, rows, 1, 4).rounds == 1
 
 
 def test_rounds_are_capped_by_rows_and_max_rounds() -> None:
     # One row: no slab can cut it, so however large the buffers, one round.
     wide_rows, wide_cols = _chunk([1, 64], 1, [0, 1, 2, 3]), _grid([1, 64], [[], [8, 24, 40]], [1, 3, 0, 2], [])
-    assert [rounds_needed(plan(wide_rows, wide_cols, r, 4), wide_rows, wide_cols) for r in range(4)] == [1] * 4
+    assert [plan(wide_rows, wide_cols, r, 4).rounds for r in range(4)] == [1] * 4
     assert slabs(10, 4) == [(0, 2), (2, 5), (5, 7), (7, 10)]
     assert slabs(3, 3) == [(0, 1), (1, 2), (2, 3)]
 

@@ -326,7 +326,7 @@ EXPECTED_ONE = {
 
 def test_bad_input_raises_on_every_rank() -> None:
     results = _run(modules_bad_inputs, 2)
-    check_errors(results, EXPECTED_ALL, EXPECTED_ONE, peer_says="rank {culprit} ({kind}) rejected its input: ")
+    check_errors(results, EXPECTED_ALL, EXPECTED_ONE, peer_says="rank {culprit} ({kind}) rejected its arguments")
     for rank, seen in enumerate(results):
         # Peers quote the culprit's message too.
         for case, (_, _, fragment) in EXPECTED_ONE.items():

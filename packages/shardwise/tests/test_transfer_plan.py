@@ -104,9 +104,18 @@ class _FakeGroup:
 
 
 def _run_ranks(
-    src: ShardedTensorMetadata, dst: ShardedTensorMetadata, world: int, rounds: int, dense: torch.Tensor
+    src: ShardedTensorMetadata,
+    dst: ShardedTensorMetadata,
+    rounds: int,
+    dense: torch.Tensor,
+    plans: list[TransferPlan],
+    reuse: bool,
 ) -> tuple[list[_Rank], list[list[Shard]]]:
-    """``redistribute`` on every rank (a thread each); each rank's record and new shards."""
+    """``redistribute`` on every rank (a thread each); each rank's record and new shards.
+
+    With ``reuse`` each rank hands ``redistribute`` its plan (as ``reshard`` does) instead of letting it plan.
+    """
+    world = len(plans)
     wire = _Wire(world)
     records: list[_Rank] = []
     shards: list[list[Shard]] = []
@@ -134,7 +143,8 @@ def _run_ranks(
         of_thread[threading.get_ident()] = records[r]
         try:
             group: Any = _FakeGroup(wire, r, records[r])
-            results[r] = redistribute(shards[r], src, dst, group, trusted=True, rounds=rounds)
+            planned = plans[r] if reuse else None
+            results[r] = redistribute(shards[r], src, dst, group, trusted=True, rounds=rounds, planned=planned)
         except BaseException as exc:  # re-raised below, in the test's thread
             errors.append(exc)
             wire.barrier.abort()
@@ -154,12 +164,17 @@ def _run_ranks(
 
 
 def _agree(
-    src: ShardedTensorMetadata, dst: ShardedTensorMetadata, world: int, rounds: Optional[int], dense: torch.Tensor
+    src: ShardedTensorMetadata,
+    dst: ShardedTensorMetadata,
+    world: int,
+    rounds: Optional[int],
+    dense: torch.Tensor,
+    reuse: bool = False,
 ) -> None:
     """Run every rank and compare what happened with each rank's plan (``rounds`` None: the ranks' own need)."""
     plans = [plan(src, dst, r, world) for r in range(world)]
     agreed = max(p.rounds for p in plans) if rounds is None else rounds
-    records, results = _run_ranks(src, dst, world, agreed, dense)
+    records, results = _run_ranks(src, dst, agreed, dense, plans, reuse)
     itemsize = dense.element_size()
     for r, (pl, record, shards) in enumerate(zip(plans, records, results, strict=True)):
         for shard in shards:
@@ -183,14 +198,14 @@ def _agree(
 
 
 @settings(max_examples=150, deadline=None)
-@given(problems(), hst.sampled_from([None, 1, 2, 3, 8]))
+@given(problems(), hst.sampled_from([None, 1, 2, 3, 8]), hst.booleans())
 def test_random_layouts_execute_as_planned(
-    problem: tuple[ShardedTensorMetadata, ShardedTensorMetadata, int], rounds: Optional[int]
+    problem: tuple[ShardedTensorMetadata, ShardedTensorMetadata, int], rounds: Optional[int], reuse: bool
 ) -> None:
     src, dst, world = problem
     size = tuple(src.size)
     dense = torch.arange(1, 1 + torch.Size(size).numel(), dtype=torch.float64).reshape(size)
-    _agree(src, dst, world, rounds, dense)
+    _agree(src, dst, world, rounds, dense, reuse)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4, 8])
@@ -203,7 +218,7 @@ def test_chunk_layouts_execute_as_planned(world: int, direction: str) -> None:
         "rows_to_cols": (rows, cols), "cols_to_rows": (cols, rows), "scatter": (whole, rows), "gather": (rows, whole)
     }[direction]
     dense = torch.arange(192, dtype=torch.float64).reshape(size)
-    _agree(src, dst, world, None, dense)
+    _agree(src, dst, world, None, dense, reuse=world > 2)
 
 
 def test_the_bound_reads_the_decisions() -> None:

@@ -13,8 +13,9 @@ What is here:
   buffers) and its accounting (:func:`live_bytes`, :func:`peak_new_bytes`,
   :func:`reset_peak`). A plugin that moves data allocates through it so the
   memory bounds the core promises hold for plugin ops too.
-* **reduce ops** — :data:`REDUCE_OPS` (the names every backend accepts) and
-  :func:`normalize_reduce_op` (``"sum"``, ``torch.distributed.ReduceOp.SUM``,
+* **reduce ops** — :data:`REDUCE_OPS` (the names every backend accepts),
+  :data:`BITWISE_REDUCE_OPS` (torch's bitwise ones, for backends of torch's
+  process-group API) and :func:`normalize_reduce_op` (``"sum"``, ``torch.distributed.ReduceOp.SUM``,
   ``"prod"`` ... to one of them), so every backend reads ``op=`` the same way.
 * **groups** — :class:`Group`, :func:`resolve_group` (every form a
   ``process_group=`` argument takes), :data:`DEFAULT_TIMEOUT`.
@@ -38,10 +39,11 @@ from shardwise._comm.agreement import AGREED_ERRORS
 from shardwise._comm.buffers import empty, empty_like, live_bytes, peak_new_bytes, reset_peak, zeros
 from shardwise._comm.default_group import DEFAULT_TIMEOUT, resolve_group
 from shardwise._comm.group import Group
-from shardwise._vocab.wire import REDUCE_OPS, normalize_reduce_op
+from shardwise._vocab.wire import BITWISE_REDUCE_OPS, REDUCE_OPS, normalize_reduce_op
 
 __all__ = [
     "AGREED_ERRORS",
+    "BITWISE_REDUCE_OPS",
     "DEFAULT_TIMEOUT",
     "REDUCE_OPS",
     "Group",

@@ -23,10 +23,10 @@ Conventions:
   layout). ``inp`` and ``out`` of one call have the same dtype.
 * ``op`` is any form ``shardwise.sdk.normalize_reduce_op`` reads (a name of
   ``shardwise.sdk.REDUCE_OPS`` or an alias, a torch ``ReduceOp``), or one of
-  torch's bitwise ops :data:`BITWISE_OPS` (``"band"``, ``"bor"``,
-  ``"bxor"``), which the ``"mpi4py"`` torch backend must implement and
-  shardwise's own vocabulary does not name. Which names exist is the SDK's
-  business; mapping them to ``MPI.Op`` objects is this module's.
+  torch's bitwise ops (``shardwise.sdk.BITWISE_REDUCE_OPS``: ``"band"``,
+  ``"bor"``, ``"bxor"``), which the ``"mpi4py"`` torch backend must
+  implement. Which names exist is the SDK's business; mapping them to
+  ``MPI.Op`` objects is this module's.
 * Zero-copy: a contiguous CPU tensor is handed to MPI as its own memory
   (``MPI.buffer.fromaddress``, so bfloat16 and every other dtype works without
   a numpy dtype). A non-contiguous or requires-grad input is made contiguous
@@ -87,7 +87,7 @@ __all__ = [
 
 #: torch.distributed's bitwise ops (``ReduceOp.BAND`` ...): the ``"mpi4py"``
 #: torch backend implements them, shardwise's vocabulary (``sdk.REDUCE_OPS``) has no such names.
-BITWISE_OPS: tuple[str, ...] = ("band", "bor", "bxor")
+BITWISE_OPS: tuple[str, ...] = sdk.BITWISE_REDUCE_OPS
 
 _MPI_OPS = {
     "sum": MPI.SUM,
@@ -139,12 +139,8 @@ def normalize_op(op: Any) -> str:
     Raises:
         ValueError: not a reduction this module implements.
     """
-    # The bitwise names are not shardwise's: read them here, everything else through the SDK.
-    name = op.lower() if isinstance(op, str) else str(getattr(op, "name", op)).rsplit(".", 1)[-1].lower()
-    if name in BITWISE_OPS:
-        return name
     try:
-        name = sdk.normalize_reduce_op(op)
+        name = sdk.normalize_reduce_op(op, bitwise=True)
     except ValueError:
         name = ""
     # Also catches a name a newer SDK adds before this module maps it to an MPI op.

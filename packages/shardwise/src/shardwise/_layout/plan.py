@@ -45,7 +45,7 @@ from typing import Mapping, Optional, Sequence
 from shardwise._vocab.metadata import ShardMetadata, ShardedTensorMetadata, intersect
 
 __all__ = [
-    "MAX_ROUNDS", "Piece", "Run", "TransferPlan", "owners", "plan", "restrict", "rounds_needed", "row_major_start",
+    "MAX_ROUNDS", "Piece", "Run", "TransferPlan", "owners", "plan", "restrict", "row_major_start",
     "run_span", "slab_plans", "slabs",
 ]
 
@@ -499,22 +499,3 @@ def _rounds_within_shard(pl: TransferPlan) -> int:
         if all(part.buffer_numel <= budget for part in slab_plans(pl, count)):
             return count
     return max(1, min(MAX_ROUNDS, rows))
-
-
-def rounds_needed(pl: TransferPlan, src_md: ShardedTensorMetadata, dst_md: ShardedTensorMetadata) -> int:
-    """How many dim-0 slabs keep this rank's send and receive buffers within its shard size: ``pl.rounds``.
-
-    The plan made that decision when it was planned (see
-    :attr:`TransferPlan.rounds`); this reads it. Kept for callers written
-    before the plan carried it.
-
-    Args:
-        pl: This rank's plan from ``src_md`` to ``dst_md``.
-        src_md: The source layout ``pl`` was planned from (not read again).
-        dst_md: The target layout ``pl`` was planned to (not read again).
-
-    Returns:
-        A round count from 1 to :data:`MAX_ROUNDS`.
-    """
-    del src_md, dst_md  # the plan already holds what they said
-    return pl.rounds

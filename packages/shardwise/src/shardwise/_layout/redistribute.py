@@ -239,6 +239,7 @@ def redistribute(
     dtype: Optional[torch.dtype] = None,
     trusted: bool = False,
     rounds: int = 1,
+    planned: Optional[TransferPlan] = None,
 ) -> list[Shard]:
     """Move this rank's ``src_shards`` (laid out by ``src_md``) into the layout ``dst_md``.
 
@@ -261,6 +262,9 @@ def redistribute(
             smaller (the same on every rank: the largest
             :attr:`~shardwise._layout.plan.TransferPlan.rounds` of the
             ranks' plans).
+        planned: This rank's plan from ``src_md`` to ``dst_md`` in
+            ``group``, when the caller has already made it (to agree on
+            ``rounds``); None: planned here.
 
     Returns:
         This rank's target shards, in ``dst_md`` order.
@@ -271,7 +275,7 @@ def redistribute(
             :class:`~shardwise.errors.PeerError`).
     """
     wire_dtype = dtype if dtype is not None else src_md.tensor_properties.dtype
-    pl = plan(src_md, dst_md, group.rank, group.size, group.global_to_group())
+    pl = planned if planned is not None else plan(src_md, dst_md, group.rank, group.size, group.global_to_group())
     try:
         sources = match_sources(src_shards, src_md, group.global_rank)
     except ValueError as exc:

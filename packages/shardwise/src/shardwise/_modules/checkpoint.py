@@ -57,7 +57,6 @@ from shardwise._modules.optim_checkpoint import apply_loaded, empty_targets
 from shardwise._modules.optim_checkpoint import optimizer_state as build
 from shardwise._modules.safe_load import safe_planner, safe_reader
 from shardwise._vocab import dcp_codec as codec
-from shardwise.errors import PeerError
 
 __all__ = ["load", "load_optimizer", "optimizer_state", "save"]
 
@@ -66,22 +65,8 @@ PathLike = Union[str, "os.PathLike[str]"]
 
 
 def _together(group: Group, step: str, fn: Callable[[], T]) -> T:
-    """Run ``fn`` on every rank; if it raised anywhere, raise on every rank."""
-    error: Optional[BaseException] = None
-    result: Any = None
-    try:
-        result = fn()
-    except Exception as exc:  # noqa: BLE001 - reported to the peers, then re-raised
-        error = exc
-    mine = None if error is None else f"{type(error).__name__}: {error}"
-    reports = group.exchange(mine)
-    if error is not None:
-        raise error
-    failed = [(r, text) for r, text in enumerate(reports) if text is not None]
-    if failed:
-        shown = "; ".join(f"rank {r}: {text}" for r, text in failed)
-        raise PeerError(f"checkpoint {step} failed on another rank, so no rank went on: {shown}")
-    return result  # type: ignore[no-any-return]
+    """Run ``fn`` on every rank; if it raised anywhere, raise on every rank (``Group.agree``)."""
+    return group.agree(fn, op=f"checkpoint {step}")
 
 
 def _coordinator_only(group: Group, step: str, fn: Callable[[], T]) -> Optional[T]:

@@ -30,7 +30,7 @@ with these differences:
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -49,41 +49,28 @@ from shardwise._modules.state_dict import ensure_dense_load_hook
 from shardwise._tensor.scatter import shard_tensor
 from shardwise._tensor.sharded_tensor import ShardedTensor
 from shardwise._tensor.specs import ChunkShardingSpec, ShardingSpec
-from shardwise.errors import PeerError
 
 __all__ = ["shard_module", "shard_parameter"]
 
-_LOCAL_ERRORS = (AttributeError, KeyError, RuntimeError, TypeError, ValueError)
-
-
-def _agree(group: Any, error: Optional[BaseException], what: str, extra: Any = None) -> list[Any]:
-    """Exchange every rank's validation outcome; raise on every rank if any failed.
+def _agree(group: Any, check: Callable[[], Any], what: str) -> list[Any]:
+    """Every rank's result of its own ``check()`` (``Group.agree``); raise on every rank if any failed.
 
     Args:
         group: The shardwise Group.
-        error: This rank's validation error, or None.
+        check: This rank's validation; returns JSON-safe data to share.
         what: The call, for the message (``"shard_module"``).
-        extra: JSON-safe data to exchange alongside.
 
     Returns:
-        Every rank's ``extra``; on a rank outside the group (which cannot
-        talk to the members, and gets tensors with no local shards) only
-        its own.
+        Every rank's result; on a rank outside the group (which cannot talk
+        to the members, and gets tensors with no local shards) only its own.
 
     Raises:
-        The rank's own ``error`` if it has one; else PeerError naming the
-        ranks whose validation failed, with their messages.
+        The rank's own error if its check failed; else PeerError naming the
+        ranks whose check failed, with their messages.
     """
-    mine = None if error is None else {"type": type(error).__name__, "message": str(error)}
-    row = {"error": mine, "extra": extra}
-    rows = group.exchange(row) if group.is_member else [row]
-    if error is not None:
-        raise error
-    failed = [(r, row["error"]) for r, row in enumerate(rows) if row["error"] is not None]
-    if failed:
-        desc = "; ".join(f"rank {r} ({e['type']}) rejected its input: {e['message']}" for r, e in failed)
-        raise PeerError(f"{what}: {desc}; nothing was sharded, see that rank's traceback for the cause")
-    return [row["extra"] for row in rows]
+    if not group.is_member:
+        return [check()]
+    return list(group.agree(check, op=what, gather=True))
 
 
 def _check_same_plan(fingerprints: list[Any], rank: int) -> None:
@@ -155,15 +142,15 @@ def shard_parameter(
         PeerError: another rank's arguments failed these checks.
     """
     group = resolve_group(process_group)
-    tensor: Optional[torch.Tensor] = None
-    error: Optional[BaseException] = None
-    try:
+    found: list[torch.Tensor] = []
+
+    def check() -> bool:
         _check_spec(sharding_spec, f"shard_parameter({param_name!r})")
-        tensor = check_parameter(module, param_name)
-    except _LOCAL_ERRORS as exc:
-        error = exc
-    rows = _agree(group, error, "shard_parameter", None if tensor is None else tensor.requires_grad)
-    assert tensor is not None
+        found.append(check_parameter(module, param_name))
+        return found[0].requires_grad
+
+    rows = _agree(group, check, "shard_parameter")
+    tensor = found[0]
     _replace_parameter(
         module, param_name, tensor, sharding_spec, src_rank, group, bool(_from_src(rows, src_rank, group.rank))
     )
@@ -202,14 +189,12 @@ def shard_module(module: nn.Module, plan: ShardingPlan, src_rank: int = 0, proce
         PeerError: another rank's plan failed these checks.
     """
     group = resolve_group(process_group)
-    error: Optional[BaseException] = None
-    mine: Optional[dict[str, Any]] = None
-    try:
+
+    def check() -> dict[str, Any]:
         validate_plan(module, plan)
-        mine = {"plan": plan_fingerprint(plan, src_rank), "requires_grad": requires_grad_of(module, plan)}
-    except _LOCAL_ERRORS as exc:
-        error = exc
-    rows = _agree(group, error, "shard_module", mine)
+        return {"plan": plan_fingerprint(plan, src_rank), "requires_grad": requires_grad_of(module, plan)}
+
+    rows = _agree(group, check, "shard_module")
     _check_same_plan([row["plan"] for row in rows], group.rank)
     requires_grad = _from_src(rows, src_rank, group.rank)["requires_grad"]
 
@@ -234,14 +219,13 @@ def shard_module(module: nn.Module, plan: ShardingPlan, src_rank: int = 0, proce
     paths = list(plan.output_plan or {}) + list(plan.return_local_tensor or [])
     if any(deferred(p, sharders) for p in paths):
         # Sharders may build any module tree: agree on resolving these paths too.
-        hooks = None
-        error = None
-        try:
-            hooks = resolve_after_sharding(module, plan)
-        except AttributeError as exc:
-            error = exc
-        _agree(group, error, "shard_module")
-        assert hooks is not None
+        resolved: list[Any] = []
+
+        def resolve() -> None:
+            resolved.extend(resolve_after_sharding(module, plan))
+
+        _agree(group, resolve, "shard_module")
+        hooks = resolved
     else:
         hooks = resolve_after_sharding(module, plan)
     for path, mod, spec in hooks:

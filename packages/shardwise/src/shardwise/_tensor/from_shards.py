@@ -130,16 +130,17 @@ def assemble_local_shards(
     stack = any(s is None for s in global_size)
     if stack:
         global_size = tuple(0 if s is None else s for s in global_size)
-    try:
+
+    def check() -> dict[str, Any]:
         payload = _local_payload(local_shards, global_size, group)
         if stack and len(local_shards) != 1:
             raise ValueError(
                 f"init_from_local_shards with None in the global size stacks one shard per rank along dim 0, but "
                 f"rank {group.global_rank} passed {len(local_shards)}; pass exactly one, or give the whole size"
             )
-    except (TypeError, ValueError) as exc:
-        group.reject(exc, op="init_from_local_shards")
-    gathered = group.exchange(payload, op="init_from_local_shards")
+        return payload
+
+    gathered = group.agree(check, op="init_from_local_shards", gather=True)
     size = gathered[group.rank]["size"]
     for r, entry in enumerate(gathered):
         if entry["size"] != size:

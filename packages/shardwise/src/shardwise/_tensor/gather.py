@@ -23,7 +23,6 @@ from shardwise._tensor.layout_checks import SAME_TENSOR, check_same, layout_dige
 from shardwise._tensor.specs import ShardingSpec
 from shardwise._vocab.metadata import ShardMetadata, ShardedTensorMetadata, dtype_from_name, dtype_name
 from shardwise._vocab.shard import Shard, ShardHolder
-from shardwise.errors import PeerError
 
 __all__ = ["all_gather_tensor", "gather_to"]
 
@@ -112,11 +111,9 @@ def gather_to(
             raise ValueError("Argument ``out`` must NOT be specified on non-destination ranks (this rank is "
                              "outside the tensor's process group); pass None")
         return
-    try:
-        mine = _gather_payload(shards, md, group, dst, out, dtype, bool(enforce_dtype))
-    except (TypeError, ValueError) as exc:
-        group.reject(exc, op="gather")
-    entries = group.exchange(mine, op="gather")
+    entries = group.agree(
+        lambda: _gather_payload(shards, md, group, dst, out, dtype, bool(enforce_dtype)), op="gather", gather=True
+    )
     for key in ("dst", "dtype", "enforce_dtype"):
         check_same([e[key] for e in entries], f"gather {key}", f"every rank must pass the same {key}")
     check_same([e["layout"] for e in entries], "tensor's layout (digest of its metadata)", SAME_TENSOR)
@@ -151,37 +148,24 @@ def _agree_to_gather_all(
     Every rank derives from its own metadata which bytes each peer sends
     and where they go, so ranks holding tensors built with different
     metadata (another size or spec on one rank) would otherwise fail on
-    some ranks only, or silently assemble garbage. One all-gather of a
-    two-int64 row per rank (this rank's status and a digest of its
-    metadata) lets every rank reach the same verdict.
+    some ranks only, or silently assemble garbage. One agreement
+    (``Group.agree``: each rank's status and a digest of its metadata, in
+    one small all-gather) lets every rank reach the same verdict.
 
     Raises:
         ValueError: the ranks' metadata differ (on every rank), or this
             rank's local shards do not match its metadata (on this rank).
         PeerError: another rank's local shards do not match its metadata.
     """
-    error: Optional[ValueError] = None
     sources: dict[int, torch.Tensor] = {}
-    try:
-        sources = match_sources(shards, md, group.global_rank)
-    except ValueError as exc:
-        error = exc
-    digest = int.from_bytes(bytes.fromhex(layout_digest(md)), "big", signed=True)
-    mine = torch.tensor([int(error is not None), digest], dtype=torch.int64, device=group.device)
-    table = torch.empty(2 * group.size, dtype=torch.int64, device=group.device)
-    with group.unverified():  # a fixed two-int64 row: the handshake would only repeat this check
-        group.all_gather(mine, out=table)
-    rows = table.view(group.size, 2).tolist()
-    if error is not None:
-        raise error
-    failed = [r for r, (status, _) in enumerate(rows) if status]
-    if failed:
-        raise PeerError(
-            f"full_tensor: rank(s) {failed} hold local shards that do not match the tensor's metadata, "
-            "so no data was sent; see that rank's traceback for the cause"
-        )
+
+    def check() -> str:
+        sources.update(match_sources(shards, md, group.global_rank))
+        return layout_digest(md)
+
+    digests = group.agree(check, op="full_tensor", gather=True)
     check_same(
-        [f"{d & 0xFFFFFFFFFFFFFFFF:016x}" for _, d in rows],
+        digests,
         "tensor's layout (digest of its metadata)",
         f"{SAME_TENSOR}; this rank's has size {list(md.size)} and spec {spec!r}",
     )

@@ -4,7 +4,7 @@ The ranks agree on the spec and on the tensor they hold (a digest of its
 metadata, as :mod:`shardwise._tensor.scatter` does for the other verbs), then move
 each element once from its old owner to its new one
 (:func:`shardwise._layout.redistribute.redistribute`), in as many dim-0 slabs as keep
-every rank within twice its shard (:func:`shardwise._layout.plan.rounds_needed`).
+every rank within twice its shard (:attr:`shardwise._layout.plan.TransferPlan.rounds`).
 The result lists its shards by rank, as torch 2.13's ``reshard`` does.
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from shardwise._comm.group import Group
-from shardwise._layout.plan import MAX_ROUNDS, rounds_needed
+from shardwise._layout.plan import MAX_ROUNDS
 from shardwise._layout.redistribute import match_sources, plan, redistribute
 from shardwise._tensor.layout_checks import SAME_TENSOR, build_target, check_same, layout_digest
 from shardwise._tensor.specs import ShardingSpec
@@ -55,18 +55,22 @@ def reshard_shards(
         if not isinstance(spec, ShardingSpec):
             raise TypeError(f"reshard takes a ShardingSpec, got {type(spec).__name__}")
         return _in_rank_order(build_target(spec, old, group, "reshard"), old), []
-    try:
+    local: dict[str, Any] = {}
+
+    def check() -> dict[str, Any]:
         if not isinstance(spec, ShardingSpec):
             raise TypeError(f"reshard takes a ShardingSpec, got {type(spec).__name__}")
         mine: dict[str, Any] = {"spec": spec.to_dict(), "layout": layout_digest(old)}
-        target = _in_rank_order(build_target(spec, old, group, "reshard"), old)
-        have = match_sources(shards, old, group.global_rank)
-        # Each rank's own need; the exchange below makes every rank use the largest.
-        pl = plan(old, target, group.rank, group.size, group.global_to_group())
-        mine["rounds"] = rounds_needed(pl, old, target)
-    except (TypeError, ValueError) as exc:
-        group.reject(exc, op="reshard")
-    entries = group.exchange(mine, op="reshard")
+        local["target"] = _in_rank_order(build_target(spec, old, group, "reshard"), old)
+        local["have"] = match_sources(shards, old, group.global_rank)
+        # Each rank's own need; the agreement makes every rank use the largest.
+        local["plan"] = pl = plan(old, local["target"], group.rank, group.size, group.global_to_group())
+        mine["rounds"] = pl.rounds
+        return mine
+
+    entries = group.agree(check, op="reshard", gather=True)
+    target: ShardedTensorMetadata = local["target"]
+    have: dict[int, torch.Tensor] = local["have"]
     check_same([e["spec"] for e in entries], "resharding spec", "every rank must reshard to the same spec")
     check_same([e["layout"] for e in entries], "tensor's layout (digest of its metadata)", SAME_TENSOR)
     rounds = _agreed_rounds([e.get("rounds") for e in entries])
@@ -78,7 +82,7 @@ def reshard_shards(
             if e.rank == group.global_rank
         ]
         return target, kept
-    return target, redistribute(shards, old, target, group, trusted=True, rounds=rounds)
+    return target, redistribute(shards, old, target, group, trusted=True, rounds=rounds, planned=local["plan"])
 
 
 def _in_rank_order(target: ShardedTensorMetadata, old: ShardedTensorMetadata) -> ShardedTensorMetadata:

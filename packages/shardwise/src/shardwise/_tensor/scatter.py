@@ -115,11 +115,9 @@ def scatter_tensor(
     group = resolve_group(process_group)
     if not group.is_member:
         return _outside_group(tensor, sharding_spec, group)
-    try:
-        payload = _local_payload(tensor, sharding_spec, src_rank, group)
-    except (TypeError, ValueError) as exc:
-        group.reject(exc, op="shard_tensor")
-    entries = group.exchange(payload, op="shard_tensor")
+    entries = group.agree(
+        lambda: _local_payload(tensor, sharding_spec, src_rank, group), op="shard_tensor", gather=True
+    )
     check_same([e["src_rank"] for e in entries], "src_rank", "every rank must pass the same src_rank")
     check_same([e["spec"] for e in entries], "sharding spec", "every rank must pass the same spec")
     info = entries[src_rank]["tensor"]

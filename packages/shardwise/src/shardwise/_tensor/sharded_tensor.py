@@ -211,7 +211,11 @@ class ShardedTensor(ShardedTensorBase):
             device=device,
             requires_grad=props.requires_grad,
         )
-        r._replace(spec=spec, metadata=metadata, shards=local_shards, group=group)
+        # The group may be None here (torch's ShardedTensorBase form, tied to no group).
+        r._sharding_spec = spec
+        r._metadata = metadata
+        r._local_shards = local_shards
+        r._process_group = group
         r._init_rrefs = False
         return r
 
@@ -223,7 +227,7 @@ class ShardedTensor(ShardedTensorBase):
         shards: Optional[list[Shard]] = None,
         group: Any = None,
     ) -> None:
-        """Swap parts of the tensor's layout (the only writer of its fields: construction, reshard, in-place ops).
+        """Swap parts of the layout (after ``_create``, the one writer: reshard, unpickling, in-place ops).
 
         No validation and no communication: the caller has checked that the
         parts fit together (and, for a collective change, agreed on them).

@@ -303,7 +303,8 @@ def _torch_process_group(group: Any, process_group: Any, what: str) -> Any:
             f"{what}: the tensor lives in a shardwise group of the {getattr(group, 'backend', '?')!r} backend "
             f"({type(group).__name__}), which has no torch ProcessGroup, and torch's ShardedTensor needs one; "
             "pass process_group= a torch.distributed ProcessGroup over the same processes in the same order "
-            "(for MPI: torch.distributed initialised with shardwise-mpi's 'mpi4py' backend)"
+            "(for MPI: call shardwise_mpi.register_torch_backend(), then "
+            "torch.distributed.init_process_group('mpi4py'))"
         )
     if not isinstance(process_group, dist.ProcessGroup):
         raise TypeError(

@@ -15,6 +15,7 @@ from typing import Any, Optional
 import torch
 
 __all__ = [
+    "BITWISE_REDUCE_OPS",
     "DTYPES",
     "REDUCE_OPS",
     "check_reducible",
@@ -50,6 +51,10 @@ DTYPES: tuple[torch.dtype, ...] = (
 _CODES = {dtype: code for code, dtype in enumerate(DTYPES)}
 
 REDUCE_OPS: tuple[str, ...] = ("sum", "avg", "min", "max", "product")
+#: torch's bitwise reductions (``ReduceOp.BAND`` ...): not collectives of a shardwise ``Group``, but
+#: a backend that implements torch's process-group API (the ``"mpi4py"`` torch backend) must accept
+#: them, so their names are part of the one vocabulary too.
+BITWISE_REDUCE_OPS: tuple[str, ...] = ("band", "bor", "bxor")
 _OP_ALIASES = {"prod": "product", "mean": "avg", "add": "sum"}
 
 
@@ -66,20 +71,29 @@ def dtype_code(dtype: torch.dtype) -> int:
         raise TypeError(f"collectives cannot send {dtype} tensors; supported: {names}") from None
 
 
-def normalize_reduce_op(op: Any) -> str:
+def normalize_reduce_op(op: Any, *, bitwise: bool = False) -> str:
     """``"sum"``, ``torch.distributed.ReduceOp.SUM`` ... as one of :data:`REDUCE_OPS`.
+
+    Args:
+        op: A name (any case; ``"prod"``, ``"mean"`` and ``"add"`` are aliases),
+            a ``torch.distributed.ReduceOp`` member or a ``ReduceOp`` object.
+        bitwise: Also accept :data:`BITWISE_REDUCE_OPS` (for backends of
+            torch's process-group API).
 
     Raises:
         ValueError: the op is not one shardwise reduces with.
     """
+    # A ReduceOp object (ReduceOp(ReduceOp.SUM)) carries its member in .op.
+    op = getattr(op, "op", op)
     if isinstance(op, str):
         name = op.lower()
     else:
         # torch's ReduceOp and its RedOpType print as "ReduceOp.SUM" or "RedOpType.SUM".
         name = str(getattr(op, "name", op)).rsplit(".", 1)[-1].lower()
     name = _OP_ALIASES.get(name, name)
-    if name not in REDUCE_OPS:
-        raise ValueError(f"unsupported reduce op {op!r}; use one of {', '.join(REDUCE_OPS)}")
+    known = (*REDUCE_OPS, *BITWISE_REDUCE_OPS) if bitwise else REDUCE_OPS
+    if name not in known:
+        raise ValueError(f"unsupported reduce op {op!r}; use one of {', '.join(known)}")
     return name
 
 

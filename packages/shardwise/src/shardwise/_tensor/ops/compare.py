@@ -1,9 +1,10 @@
 """Whole-tensor comparisons and reductions to one bool: ``equal``, ``allclose``, ``any``, ``all``.
 
-Each rank compares its own shards and the group agrees through one
-``all_reduce`` of a flag, so every rank returns the same answer. The flag
-lives on the group's device: this works on gloo/CPU-only hosts, where
-torch 2.13's versions fail (they put the flag on an accelerator).
+Each rank compares its own shards and the group agrees on the answers
+(``Group.agree``: one all-gather of each rank's flag and status), so every
+rank returns the same answer. The flags travel on the group's device: this
+works on gloo/CPU-only hosts, where torch 2.13's versions fail (they put the
+flag on an accelerator).
 
 Semantics follow torch 2.13's sharded ``equal``/``allclose``: tensors whose
 layouts (size, shard boxes, placements) or dtypes differ compare False, and
@@ -36,16 +37,9 @@ import torch
 from shardwise._registry.records import ShardedOp
 from shardwise._tensor.ops.common import box_key, layout_key, local_by_box, op_name, records_for
 from shardwise._tensor.sharded_tensor import ShardedTensor
-from shardwise.errors import GroupMismatchError, PeerError
+from shardwise.errors import GroupMismatchError
 
 __all__ = ["records"]
-
-
-def _agree(group: Any, flag: bool, op: str) -> bool:
-    """``flag`` combined over the group with ``op`` ("min": all, "max": any)."""
-    t = torch.tensor([int(flag)], dtype=torch.int32, device=group.device)
-    group.all_reduce(t, op=op)
-    return bool(t.item())
 
 
 def _group_of(args: Any, kwargs: Any) -> Any:
@@ -131,22 +125,8 @@ def _comparison(func: Any) -> Callable[..., Any]:
         if not group.is_member:
             # No peer waits for this rank, and it holds no shard: its answer is its own.
             return local(args, kwargs)
-        error: Exception | None = None
-        try:
-            code = int(local(args, kwargs))  # 1: equal here, 0: not
-        except Exception as exc:  # noqa: BLE001 - any local failure joins the vote, so no peer waits
-            error, code = exc, -(group.rank + 1)  # negative: failed here; "min" keeps the failure
-        t = torch.tensor([code], dtype=torch.int64, device=group.device)
-        group.all_reduce(t, op="min")
-        verdict = int(t.item())
-        if error is not None:
-            raise error
-        if verdict < 0:
-            raise PeerError(
-                f"{name}: rank {-verdict - 1} could not compare its shards (see its traceback), "
-                "so no rank has an answer"
-            )
-        return bool(verdict)
+        # Every rank's answer, or (any local failure joins the agreement) the same error on every rank.
+        return all(group.agree(lambda: local(args, kwargs), op=name, gather=True))
 
     return impl
 
@@ -163,8 +143,10 @@ def _reduction(kind: str) -> Callable[..., Any]:
         here = any(bool(t.any()) for t in tensors) if kind == "any" else all(bool(t.all()) for t in tensors)
         # Outside the group there is no collective to join: the answer is this rank's own (over no shards).
         group = st.process_group
-        flag = _agree(group, here, "max" if kind == "any" else "min") if group.is_member else here
-        return torch.tensor(flag, device=st.device)
+        if group.is_member:
+            flags = group.agree(lambda: here, op=f"torch.{kind}", gather=True)
+            here = any(flags) if kind == "any" else all(flags)
+        return torch.tensor(here, device=st.device)
 
     return impl
 
