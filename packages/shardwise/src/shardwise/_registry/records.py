@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
 import torch
 
+from shardwise._vocab.launch import Availability, LaunchInfo
+
 if TYPE_CHECKING:
     from shardwise._comm.group import Group
-
-from shardwise._vocab.launch import Availability, LaunchInfo
 
 __all__ = ["Availability", "Backend", "LaunchInfo", "Launcher", "ShardedOp"]
 

@@ -1,10 +1,10 @@
-"""``load_with_process_group`` and the pickled form of a ``ShardedTensor``.
+"""The pickled form of a ``ShardedTensor``, and the group unpickling attaches it to.
 
 A ShardedTensor pickles (``torch.save``) as the wrapper's size and dtype plus
 a state of plain data: the global metadata as a JSON-safe dict, this rank's
 shard tensors with their metadata dicts, the spec as a dict, and the rank and
 size of its group at save time. Unpickling (``torch.load``) attaches it to the
-group set by :func:`load_with_process_group`, else the default group, and
+group set by ``load_with_process_group`` (:func:`open_load_group`), else the default group, and
 checks that the rank and the group size are the ones it was saved with.
 
 Because the state holds only plain data and tensors, ``torch.load`` with its
