@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import shardwise
+import shardwise.nn.functional
 from shardwise.errors import CollectiveMismatchError, PeerError
 
 from rank_helpers import check_errors
@@ -321,3 +322,25 @@ def test_bad_input_raises_on_every_rank() -> None:
 
 def test_errors_are_both_shardwise_and_builtin() -> None:
     assert issubclass(CollectiveMismatchError, RuntimeError) and issubclass(PeerError, RuntimeError)
+
+
+def empty_splits(verify: bool) -> list[Any]:
+    g = shardwise.get_default_group()
+    g.verify = verify
+    r, w = g.rank, g.size
+    data = torch.arange(4 * w, dtype=torch.float32) + 100 * r
+    send = [(s % 2) + 1 for s in range(w)]
+    # No output splits and empty output splits (torch's spelling) both mean "learn them from the senders".
+    derived = [g.all_to_all_single(data[: sum(send)], splits, send) for splits in (None, [])]
+    # No input splits and empty ones both mean an equal split, in Group and in the autograd form alike.
+    equal = [g.all_to_all_single(data, None, splits) for splits in (None, [])]
+    out = torch.empty(4 * w)
+    shardwise.nn.functional.all_to_all_single(out, data, [], [])
+    return [derived[0].tolist(), derived[1].tolist(), equal[0].tolist(), equal[1].tolist(), out.tolist()]
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_empty_split_sizes_mean_none_everywhere(verify: bool) -> None:
+    for seen in _run(empty_splits, 2, verify):
+        assert seen[0] == seen[1], seen
+        assert seen[2] == seen[3] == seen[4], seen

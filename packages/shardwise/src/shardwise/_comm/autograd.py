@@ -24,7 +24,6 @@ Example:
 
 from __future__ import annotations
 
-import operator
 from typing import TYPE_CHECKING, Any, Optional, Sequence, Union, cast
 
 import torch
@@ -33,6 +32,7 @@ from torch.autograd import Function
 from torch.distributed import ReduceOp
 
 from shardwise._comm import buffers as _memory
+from shardwise._comm.checks import check_splits
 from shardwise._comm.default_group import resolve_group
 from shardwise._comm.group import Group
 from shardwise._vocab import wire as _wire
@@ -311,8 +311,8 @@ def all_to_all_single(
         if input.dim() == 0:
             raise ValueError("all_to_all_single needs an input with at least one dimension")
         _check_output(output, input, "output")
-        in_rows = _split_sizes(input_split_sizes, input.shape[0], grp.size, "input_split_sizes")
-        out_rows = _split_sizes(output_split_sizes, output.shape[0], grp.size, "output_split_sizes")
+        in_rows = check_splits(input_split_sizes, input.shape[0], grp.size, "input_split_sizes")
+        out_rows = check_splits(output_split_sizes, output.shape[0], grp.size, "output_split_sizes")
     except (TypeError, ValueError) as exc:
         grp.reject(exc)
     return cast(Tensor, _AllToAllSingle.apply(grp, [output], (out_rows, in_rows), input))
@@ -363,19 +363,3 @@ def _check_output(output: Any, like: Tensor, name: str, *, same_shape: bool = Fa
         raise ValueError(f"{shapes}; only dim 0 may differ")
     if output.requires_grad and torch.is_grad_enabled():
         raise ValueError(f"{name} requires grad; pass a fresh tensor (torch.empty) to receive into")
-
-
-def _split_sizes(splits: Optional[Sequence[int]], rows: int, size: int, name: str) -> list[int]:
-    if splits is None or (isinstance(splits, Sequence) and len(splits) == 0):
-        if rows % size:
-            raise ValueError(f"{name} not given and dim 0 ({rows}) does not divide by the group size ({size})")
-        return [rows // size] * size
-    try:
-        values = [operator.index(v) for v in splits]
-    except TypeError:
-        raise TypeError(f"{name} must be a list of ints, got {splits!r}") from None
-    if len(values) != size or min(values) < 0:
-        raise ValueError(f"{name} must be {size} non-negative ints, got {values}")
-    if sum(values) != rows:
-        raise ValueError(f"{name} {values} sum to {sum(values)}, but dim 0 has {rows} rows")
-    return values

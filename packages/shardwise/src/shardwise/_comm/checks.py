@@ -9,6 +9,7 @@ handshake row carries.
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Optional, Sequence
 
 import torch
@@ -98,12 +99,24 @@ def check_output(out: Any, dtype: torch.dtype, shape: tuple[int, ...], name: str
 
 
 def check_splits(splits: Optional[Sequence[int]], total: int, size: int, name: str) -> list[int]:
-    if splits is None:
+    """Rows per rank of a dim 0 of ``total`` rows: ``splits`` checked, or an equal split when None or empty (as torch).
+
+    The one split-size rule of the collectives and their autograd forms.
+
+    Raises:
+        TypeError: a split is not an int.
+        ValueError: not ``size`` non-negative splits summing to ``total``,
+            or no splits and ``total`` does not divide by ``size``.
+    """
+    if splits is None or len(splits) == 0:
         if total % size:
             raise ValueError(f"{name} not given and dim 0 ({total}) does not divide by the group size ({size})")
         return [total // size] * size
-    values = list(splits)
-    if len(values) != size or any(not isinstance(v, int) or v < 0 for v in values):
+    try:
+        values = [operator.index(v) for v in splits]
+    except TypeError:
+        raise TypeError(f"{name} must be a list of ints, got {splits!r}") from None
+    if len(values) != size or min(values) < 0:
         raise ValueError(f"{name} must be {size} non-negative ints, got {values!r}")
     if sum(values) != total:
         raise ValueError(f"{name} {values} sum to {sum(values)}, but dim 0 has {total} rows")
@@ -127,13 +140,14 @@ def all_to_all_single_call(
     if tensor.dim() == 0:
         raise ValueError("all_to_all_single needs a tensor with at least one dimension")
     ins = check_splits(input_split_sizes, tensor.shape[0], size, "input_split_sizes")
-    outs = list(output_split_sizes) if output_split_sizes is not None else []
+    # No splits or empty ones (torch's spelling of "derive them") are learnt from the senders.
+    outs = list(output_split_sizes) if output_split_sizes else []
     if out is not None:
         if out.dim() == 0:
             raise ValueError("all_to_all_single: out needs at least one dimension")
         check_output(out, tensor.dtype, (out.shape[0], *tensor.shape[1:]), "out")
         outs = check_splits(output_split_sizes, out.shape[0], size, "output_split_sizes")
-    elif output_split_sizes is not None:
+    elif outs:
         check_splits(outs, sum(outs), size, "output_split_sizes")
     return Call("all_to_all", tensor.dtype, tuple(tensor.shape), count=int(bool(outs) or out is not None),
                 splits_a=ins, splits_b=outs)

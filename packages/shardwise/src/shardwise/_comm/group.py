@@ -728,7 +728,7 @@ class Group(abc.ABC):
             The received rows: ``out`` when given, else a new tensor of
             ``sum(output_split_sizes)`` rows.
         """
-        need = output_split_sizes is None and out is None
+        need = not output_split_sizes and out is None
         call, rows = self._handshake(
             lambda: all_to_all_single_call(tensor, output_split_sizes, input_split_sizes, out, self.size),
             required=need,
