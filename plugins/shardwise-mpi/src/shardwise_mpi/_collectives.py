@@ -69,7 +69,6 @@ from mpi4py import MPI
 from shardwise import sdk
 
 __all__ = [
-    "BITWISE_OPS",
     "allgatherv",
     "allreduce",
     "alltoallv",
@@ -84,10 +83,6 @@ __all__ = [
     "reduction_dtype",
     "scatterv",
 ]
-
-#: torch.distributed's bitwise ops (``ReduceOp.BAND`` ...): the ``"mpi4py"``
-#: torch backend implements them, shardwise's vocabulary (``sdk.REDUCE_OPS``) has no such names.
-BITWISE_OPS: tuple[str, ...] = sdk.BITWISE_REDUCE_OPS
 
 _MPI_OPS = {
     "sum": MPI.SUM,
@@ -134,7 +129,7 @@ _ALLTOALL_TAG = 7011
 
 
 def normalize_op(op: Any) -> str:
-    """``"sum"``, ``"PROD"``, ``ReduceOp.MAX`` ... as one of ``sdk.REDUCE_OPS`` or :data:`BITWISE_OPS`.
+    """``"sum"``, ``"PROD"``, ``ReduceOp.MAX`` ... as one of ``sdk.REDUCE_OPS`` or ``sdk.BITWISE_REDUCE_OPS``.
 
     Raises:
         ValueError: not a reduction this module implements.
@@ -145,7 +140,7 @@ def normalize_op(op: Any) -> str:
         name = ""
     # Also catches a name a newer SDK adds before this module maps it to an MPI op.
     if name not in _MPI_OPS:
-        known = ", ".join(n for n in (*sdk.REDUCE_OPS, *BITWISE_OPS) if n in _MPI_OPS)
+        known = ", ".join(n for n in (*sdk.REDUCE_OPS, *sdk.BITWISE_REDUCE_OPS) if n in _MPI_OPS)
         raise ValueError(f"unsupported reduce op {op!r}; use one of {known}") from None
     return name
 
