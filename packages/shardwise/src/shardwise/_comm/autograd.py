@@ -31,7 +31,7 @@ from torch import Tensor
 from torch.autograd import Function
 from torch.distributed import ReduceOp
 
-from shardwise._comm import buffers as _memory
+from shardwise._comm import buffers
 from shardwise._comm.checks import check_splits
 from shardwise._comm.default_group import resolve_group
 from shardwise._comm.group import Group
@@ -68,7 +68,7 @@ class _AllGather(Function):
     def backward(ctx: Any, *grads: Tensor) -> Grads:
         group: Group = ctx.group
         # Rank r's tensor fills slot r everywhere: it sums that slot's grads.
-        out = _memory.empty_like(grads[group.rank])
+        out = buffers.empty_like(grads[group.rank])
         return None, _ReduceScatter.apply(group, [out], "sum", *grads)
 
 
@@ -102,7 +102,7 @@ class _AllToAll(Function):
     @staticmethod
     def backward(ctx: Any, *grads: Tensor) -> Grads:
         # Gradients retrace the data's route back to the senders.
-        back = [_memory.empty_like(grads[0], shape) for shape in ctx.in_shapes]
+        back = [buffers.empty_like(grads[0], shape) for shape in ctx.in_shapes]
         return (None, None, None, *_AllToAll.apply(ctx.group, back, ctx.rows[::-1], *grads))
 
 
@@ -114,7 +114,7 @@ class _AllToAllSingle(Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Grads:
-        back = _memory.empty_like(grad, ctx.in_shape)
+        back = buffers.empty_like(grad, ctx.in_shape)
         return None, None, None, _AllToAllSingle.apply(ctx.group, [back], ctx.rows[::-1], grad)
 
 

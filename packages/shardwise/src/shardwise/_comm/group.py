@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterator, Literal, NoReturn, Optional, Sequenc
 
 import torch
 
-from shardwise._comm import buffers as _memory
+from shardwise._comm import buffers
 from shardwise._comm.agreement import (
     AGREED_ERRORS,
     NOT_AGREED,
@@ -593,7 +593,7 @@ class Group(abc.ABC):
         wire = _wire.to_bytes(tensor, self._wire_device(tensor))
         per_row = tensor.dtype.itemsize * prod(shape[1:])
         counts = [d * per_row for d in dims]
-        gathered = _memory.empty_like(wire, (sum(counts),))
+        gathered = buffers.empty_like(wire, (sum(counts),))
         self._all_gather(gathered, wire, counts)
         return split_out(gathered, counts, dims, shape, tensor.dtype, tensor.device)
 
@@ -664,7 +664,7 @@ class Group(abc.ABC):
         if wire_out is not None and wire_out.dtype == kind:
             buf = wire_out
         else:
-            buf = _memory.empty_like(inp, (counts[self.rank],))
+            buf = buffers.empty_like(inp, (counts[self.rank],))
         self._reduce_scatter(buf, inp, counts, op_name)
         if wire_out is None:
             wire = _wire.wire_dtype(dtype)
@@ -699,7 +699,7 @@ class Group(abc.ABC):
         inp = torch.cat(flat)
         per_row = dtype.itemsize * prod(shape[1:])
         out_counts = [d * per_row for d in recv_dims]
-        received = _memory.empty_like(inp, (sum(out_counts),))
+        received = buffers.empty_like(inp, (sum(out_counts),))
         self._all_to_all(received, out_counts, inp, [t.numel() for t in flat])
         return split_out(received, out_counts, recv_dims, shape, dtype, device)
 
@@ -747,7 +747,7 @@ class Group(abc.ABC):
         per_row = tensor.dtype.itemsize * prod(shape[1:])
         wire = _wire.to_bytes(tensor, self._wire_device(tensor))
         if out is None:
-            target = _memory.empty_like(wire, (sum(outs) * per_row,))
+            target = buffers.empty_like(wire, (sum(outs) * per_row,))
         else:
             target = _wire.to_bytes(out, self._wire_device(out))
         self._all_to_all(target, [o * per_row for o in outs], wire, [i * per_row for i in ins])
@@ -792,10 +792,10 @@ class Group(abc.ABC):
             flat = [_wire.to_bytes(t, self._wire_device(t)) for t in tensors]
             inp: Optional[torch.Tensor] = torch.cat(flat)
             device = tensors[src].device
-            piece = _memory.empty_like(flat[0], (my_rows * per_row,))
+            piece = buffers.empty_like(flat[0], (my_rows * per_row,))
         else:
             inp, device = None, self._device
-            piece = _memory.empty((my_rows * per_row,), torch.uint8, self._device)
+            piece = buffers.empty((my_rows * per_row,), torch.uint8, self._device)
         counts = [n * per_row for n in rows.splits_a(src)]
         self._scatter(piece, inp, counts, src)
         return _wire.from_bytes(piece, dtype, out_shape).to(device)
@@ -822,7 +822,7 @@ class Group(abc.ABC):
         dims = [rows.count(r) for r in range(self.size)]
         counts = [d * per_row for d in dims]
         wire = _wire.to_bytes(tensor, self._wire_device(tensor))
-        gathered = _memory.empty_like(wire, (sum(counts),)) if self.rank == dst else None
+        gathered = buffers.empty_like(wire, (sum(counts),)) if self.rank == dst else None
         self._gather(gathered, counts, wire, dst)
         if gathered is None:
             return None

@@ -23,7 +23,7 @@ from typing import Any, Callable, MutableMapping, Optional, Sequence, TypeVar
 import torch
 import torch.distributed as dist
 
-from shardwise._comm import buffers as _memory
+from shardwise._comm import buffers
 from shardwise._comm.group import Group
 from shardwise._vocab.launch import LaunchInfo
 from shardwise.errors import LaunchError, PeerLostError, ShardwiseError
@@ -153,7 +153,7 @@ class TorchGroup(Group):
             return
         padded_in = inp.new_zeros(most)
         padded_in[: inp.numel()] = inp
-        padded_out = _memory.empty_like(inp, (most * self.size,))
+        padded_out = buffers.empty_like(inp, (most * self.size,))
         dist.all_gather_single(padded_out, padded_in, group=self.pg)
         torch.cat([padded_out[r * most : r * most + c] for r, c in enumerate(counts)], out=out)
 

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Collection, Mapping, NoReturn, Optional, Seque
 
 import torch
 
-from shardwise._comm import buffers as _memory
+from shardwise._comm import buffers
 from shardwise._layout.plan import Piece, Run, TransferPlan, plan, row_major_start, slab_plans
 from shardwise._vocab.metadata import ShardedTensorMetadata
 from shardwise._vocab.shard import Shard
@@ -107,7 +107,7 @@ def pack(
     if view is not None:
         return view
     pieces = [p for per_rank in pl.send for p in per_rank]
-    buf = _memory.empty((sum(p.numel for p in pieces),), dtype, device)
+    buf = buffers.empty((sum(p.numel for p in pieces),), dtype, device)
     pos = 0
     for p in pieces:
         buf[pos : pos + p.numel].view(p.sizes).copy_(box(sources[p.src], p.src_start, p.sizes))
@@ -226,7 +226,7 @@ def _allocate(
             if pin and device.type == "cpu":
                 out[j] = torch.empty(entry.shard_sizes, dtype=dtype, device=device, pin_memory=True)
             else:
-                out[j] = _memory.empty(entry.shard_sizes, dtype, device)
+                out[j] = buffers.empty(entry.shard_sizes, dtype, device)
     return out
 
 

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import torch
 
-from shardwise._comm import buffers as _memory
+from shardwise._comm import buffers
 from shardwise._comm.group import Group
 from shardwise._layout.plan import owners
 from shardwise._layout.redistribute import box, execute, match_sources, plan, row_major_start
@@ -196,7 +196,7 @@ def all_gather_tensor(
         sources = match_sources(shards, md, group.global_rank)
     # After the agreement: every rank holds the same metadata, so this fails on every rank or none.
     holders = owners(md.shards_metadata, len(md.size), "tensor", group.global_to_group(), group.size)
-    result = _memory.empty(md.size, dtype, device)
+    result = buffers.empty(md.size, dtype, device)
     by_rank: list[list[int]] = [[] for _ in range(group.size)]
     for i, entry in enumerate(md.shards_metadata):
         if entry.numel() > 0:

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from shardwise._comm import default_group as _runtime
+from shardwise._comm.default_group import is_initialized
 from shardwise._vocab.metadata import ShardMetadata, ShardedTensorMetadata, TensorProperties
 from shardwise._vocab.shard import Shard
 from shardwise.errors import LocalShardsMismatchError
@@ -23,7 +23,7 @@ __all__ = ["check_properties", "match_local_shards", "no_default_group", "shards
 
 def no_default_group() -> bool:
     """True when neither ``shardwise.init`` nor ``torch.distributed.init_process_group`` was called."""
-    return not _runtime.is_initialized() and not (dist.is_available() and dist.is_initialized())
+    return not is_initialized() and not (dist.is_available() and dist.is_initialized())
 
 
 def check_properties(
