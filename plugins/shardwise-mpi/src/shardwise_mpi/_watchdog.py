@@ -29,12 +29,14 @@ from typing import Any, Callable, Optional
 
 from shardwise.errors import PeerLostError
 
-__all__ = ["ABORT_GRACE", "EXIT_CODE", "Watchdog"]
+__all__ = ["ABORT_GRACE", "EXIT_CODE", "FORWARD_GRACE", "Watchdog"]
 
 #: Exit status of a process whose collective timed out (as ``timeout(1)``).
 EXIT_CODE = 124
 #: Seconds ``MPI_Abort`` gets before the process ends itself.
 ABORT_GRACE = 5.0
+#: Seconds between printing why a rank aborts and calling ``MPI_Abort`` (the launcher forwards stderr).
+FORWARD_GRACE = 1.0
 
 
 def _abort(code: int) -> None:
@@ -207,6 +209,11 @@ class Watchdog:
             os.write(2, message.encode())
         except OSError:
             pass
+        if self._on_expiry is _abort:
+            # stderr reaches the user through the launcher's forwarder (Hydra's proxy,
+            # orted, slurmstepd); MPI_Abort makes the launcher kill the job at once, and
+            # on a loaded host the forwarder can die holding the message unread.
+            time.sleep(FORWARD_GRACE)
         self._on_expiry(EXIT_CODE)
 
     def state(self) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from typing import Iterable, Optional
 
 from shardwise import Availability, Backend, Group, LaunchInfo, hookimpl
 from shardwise.errors import LaunchError
+from shardwise_mpi._watchdog import FORWARD_GRACE
 
 __all__ = ["create_group", "install_abort_hook", "is_available", "shardwise_backends"]
 
@@ -79,7 +80,7 @@ def install_abort_hook() -> None:
             sys.stderr.flush()
             # MPI_Abort kills the job at once; give the process manager a moment
             # to forward the traceback's last lines (they were lost without it).
-            time.sleep(0.5)
+            time.sleep(FORWARD_GRACE)
         finally:
             MPI.COMM_WORLD.Abort(1)
 
