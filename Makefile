@@ -13,7 +13,9 @@ DISTS := -e packages/shardwise[test] -e plugins/shardwise-gloo -e plugins/shardw
          -e plugins/shardwise-embedding[test] -e plugins/shardwise-fsdp[test]
 # tqdm and matplotlib: progress bars and the chart of `make demo` and `make bench`.
 # import-linter: the core's import contracts (.importlinter), run by `make lint`.
-DEV_TOOLS := tox ruff mypy import-linter pytest pytest-timeout hypothesis numpy tqdm matplotlib
+# mkdocs-material and mkdocstrings[python]: the docs site (`make docs`).
+DEV_TOOLS := tox ruff mypy import-linter pytest pytest-timeout hypothesis numpy tqdm matplotlib \
+             "mkdocs-material>=9.5" "mkdocstrings[python]>=0.26"
 
 # `make install` is re-run when any of these change.
 INSTALL_INPUTS := Makefile constraints.txt $(wildcard packages/*/pyproject.toml plugins/*/pyproject.toml)
@@ -22,7 +24,7 @@ STAMP := $(VENV)/.install-stamp
 LINT_PATHS := packages plugins integration_tests benchmarks examples
 MYPY_PATHS := packages/shardwise/src/shardwise $(wildcard plugins/*/src)
 
-.PHONY: install test lint demo bench bench-mpi bench-embedding bench-validation clean distclean
+.PHONY: install test lint docs demo bench bench-mpi bench-embedding bench-validation clean distclean
 
 install: $(STAMP)
 
@@ -101,6 +103,14 @@ lint: install
 	echo "$(BIN)/lint-imports --no-logo --no-cache"; $(BIN)/lint-imports --no-logo --no-cache || status=1; \
 	echo "$(BIN)/pytest -q -p no:cacheprovider $(ARCH_TEST)"; $(BIN)/pytest -q -p no:cacheprovider $(ARCH_TEST) || status=1; \
 	exit $$status
+
+# The docs site (mkdocs.yml, docs/; the API reference from the docstrings) into
+# build/site. --strict: a broken link between pages, a link to a heading that is
+# not there, or a docstring cross-reference that resolves to nothing fails the
+# build. NO_MKDOCS_2_WARNING: mkdocs-material's banner about mkdocs 2, printed
+# on every build, says nothing about these docs.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir build/site
 
 # Build and test leftovers; `distclean` also removes the dev venv.
 clean:

@@ -8,10 +8,24 @@ import random
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["library_line", "mpi", "peak_memory", "script_args", "time_all", "with_verify"]
+__all__ = ["Spread", "library_line", "mpi", "peak_memory", "script_args", "time_all", "time_spread", "with_verify"]
+
+
+@dataclass(frozen=True)
+class Spread:
+    """The fastest, median and slowest of an entry's timed calls (each the slowest rank's), in any one unit."""
+
+    min: float
+    median: float
+    max: float
+
+    def scaled(self, factor: float) -> Spread:
+        """The same spread in another unit (``factor`` = 1e3: seconds to milliseconds)."""
+        return Spread(self.min * factor, self.median * factor, self.max * factor)
 
 
 def mpi() -> Any:
@@ -22,7 +36,12 @@ def mpi() -> Any:
 
 
 def time_all(comm: Any, calls: dict[str, Callable[[], Any]], repeats: int, warmup: int) -> dict[str, float]:
-    """Median seconds per call of each entry, the slowest rank's.
+    """Median seconds per call of each entry, the slowest rank's (see :func:`time_spread`)."""
+    return {name: spread.median for name, spread in time_spread(comm, calls, repeats, warmup).items()}
+
+
+def time_spread(comm: Any, calls: dict[str, Callable[[], Any]], repeats: int, warmup: int) -> dict[str, Spread]:
+    """Seconds per call of each entry: the fastest, median and slowest call, each the slowest rank's.
 
     Calls are interleaved in a new order every round (shuffled with the
     round number as seed, so every rank agrees), so drift, noise from other
@@ -45,8 +64,11 @@ def time_all(comm: Any, calls: dict[str, Callable[[], Any]], repeats: int, warmu
             start = time.perf_counter()
             calls[name]()
             times[name].append(time.perf_counter() - start)
-    # Every rank must report the same figure: the slowest rank's median.
-    return {name: comm.allreduce(statistics.median(ts), op=mpi().MAX) for name, ts in times.items()}
+    # Every rank must report the same figures: the slowest rank's.
+    return {
+        name: Spread(*(comm.allreduce(stat(ts), op=mpi().MAX) for stat in (min, statistics.median, max)))
+        for name, ts in times.items()
+    }
 
 
 def with_verify(group: Any, verify: bool, fn: Callable[[], Any]) -> Callable[[], Any]:

@@ -50,10 +50,16 @@ the call minus those before (shardwise reuses freed buffers, which RSS does
 not see; see ``_timing.peak_memory``). Rank 0 writes
 ``bench-<W>ranks.md`` and ``.png`` under ``--out`` (default
 ``benchmarks/results``) and prints the table and the targets.
+
+The chart (``_chart.py``) shows each workload's speedup over torch._shard:
+torch._shard over gloo as 1, shardwise over the same gloo group and over
+MPI beside it, each bar's ratio written on it, whiskers from the column's
+fastest to its slowest call, and "n/a" where torch._shard has no such call.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
@@ -65,7 +71,8 @@ from typing import Any, Callable
 import shardwise_mpi
 import torch
 import torch.distributed as dist
-from _timing import library_line, mpi, peak_memory, script_args, time_all
+from _chart import speedup_chart
+from _timing import Spread, library_line, mpi, peak_memory, script_args, time_spread
 from embedding import OPS, check, forward, forward_backward, make_weights
 from torch.distributed._shard import _shard_tensor
 from torch.distributed._shard.sharding_spec import ChunkShardingSpec as TorchChunkSpec
@@ -74,8 +81,9 @@ import shardwise
 from shardwise.torch_group import wrap_process_group
 
 COLUMNS = ("torch", "gloo", "mpi")
-TITLES = {"torch": "torch._shard gloo", "gloo": "shardwise gloo", "mpi": "shardwise mpi"}
 MIB = 1 << 20
+#: examples/: the progress display the demo uses (a bar on a terminal, a few plain lines in a log).
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 @dataclass(frozen=True)
@@ -96,13 +104,18 @@ SMOKE = Sizes(side=128, vocab=2000, dim=16, batch=64, bag=4, repeats=2, warmup=1
 
 @dataclass
 class Row:
-    """One benchmark row: its name, the floor's bytes, and per column the time and memory."""
+    """One benchmark row: its name, the floor's bytes, and per column the times and memory."""
 
     name: str
     floor_bytes: float
-    ms: dict[str, float] = field(default_factory=dict)
+    spread_ms: dict[str, Spread] = field(default_factory=dict)
     peak_mib: dict[str, float] = field(default_factory=dict)
     extra_mib: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def ms(self) -> dict[str, float]:
+        """Per column, the median milliseconds per call (the table's figure)."""
+        return {col: spread.median for col, spread in self.spread_ms.items()}
 
 
 def places(size: int) -> list[str]:
@@ -281,16 +294,28 @@ def embedding_bytes(every: list[torch.Tensor], dim: int, op_name: str, sizes: Si
 
 
 def measure(comm: Any, row: Row, calls: dict[str, Callable[[], Any]], sizes: Sizes, bar: Any) -> Row:
-    row.ms = {col: t * 1e3 for col, t in time_all(comm, calls, sizes.repeats, sizes.warmup).items()}
+    row.spread_ms = {col: t.scaled(1e3) for col, t in time_spread(comm, calls, sizes.repeats, sizes.warmup).items()}
     for col, fn in calls.items():
         comm.Barrier()
         peak, extra = peak_memory(fn)
         row.peak_mib[col] = comm.allreduce(peak, op=mpi().MAX) / MIB
         row.extra_mib[col] = comm.allreduce(extra, op=mpi().MAX) / MIB
-    if bar is not None:
-        bar.update(1)
-        bar.set_postfix_str(row.name)
+    bar.set_postfix_str(f"last: {row.name}", refresh=False)
+    bar.update(1)
     return row
+
+
+def progress_bar(rows: int, disable: bool) -> Any:
+    """The demo's progress display over ``rows`` rows (examples/_progress.py), on stderr.
+
+    Imported from examples/ when needed rather than copied here, so that
+    the benchmarks and the demo show progress, and write logs, alike.
+    """
+    if str(EXAMPLES) not in sys.path:
+        sys.path.append(str(EXAMPLES))
+    from _progress import progress
+
+    return progress(rows, "bench", "row", disable=disable)
 
 
 def _raise_if_any(comm: Any, problems: list[str]) -> None:
@@ -366,30 +391,20 @@ def targets(rows: list[Row], bandwidth: float, shard_mib: float) -> list[tuple[s
     return found
 
 
-def chart(rows: list[Row], size: int, bandwidth: float, path: Path) -> None:
-    """Grouped bars, one group per workload, log-scale milliseconds, the floor as a black tick."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(13, 6))
-    width = 0.27
-    for i, col in enumerate(COLUMNS):
-        xs = [j + (i - 1) * width for j, row in enumerate(rows) if col in row.ms]
-        ys = [row.ms[col] for row in rows if col in row.ms]
-        ax.bar(xs, ys, width, label=TITLES[col])
-    ax.scatter(range(len(rows)), [row.floor_bytes / bandwidth * 1e3 for row in rows], marker="_", s=600,
-               color="black", label="floor (bytes moved / memcpy bandwidth)", zorder=3)
-    ax.set_yscale("log")
-    ax.set_xticks(range(len(rows)))
-    ax.set_xticklabels([row.name for row in rows], rotation=35, ha="right", fontsize=8)
-    ax.set_ylabel("ms per call (median, log scale)")
-    ax.set_title(f"torch._shard vs shardwise, {size} ranks on CPU (lower is better)")
-    ax.legend()
-    fig.tight_layout()
+def chart(rows: list[Row], size: int, sizes: Sizes, path: Path) -> bool:
+    """Draw the speedups over torch._shard (see ``_chart``) into the PNG ``path``; False without matplotlib."""
+    workloads = [(row.name, {col: row.spread_ms[col] for col in COLUMNS if col in row.spread_ms}) for row in rows]
+    try:
+        fig = speedup_chart(
+            workloads,
+            f"Speedup over torch._shard, {size} ranks on CPU (higher is better)",
+            f"bars: median of {sizes.repeats} calls (slowest rank), torch._shard over gloo = 1; whiskers: fastest "
+            "to slowest call against torch._shard's median; n/a: torch._shard has no such call",
+        )
+    except ImportError:
+        return False
     fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -397,6 +412,9 @@ def main(argv: list[str] | None = None) -> int:
     sizes = SMOKE if args.smoke else Sizes()
     # torch._shard warns on every call that it is deprecated in favour of DTensor.
     warnings.filterwarnings("ignore", category=FutureWarning)
+    # This script makes torch.distributed's default group itself (gloo, below), so the mpi
+    # backend must leave torch.distributed alone (by default it brings up "mpi4py" there).
+    os.environ["SHARDWISE_MPI_TORCH_DIST"] = "0"
     mpi_group = shardwise.init("mpi")
     comm = mpi().COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -405,14 +423,9 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group("gloo")  # rendezvous through MPI: no MASTER_ADDR needed
     groups = {"gloo": wrap_process_group(dist.group.WORLD), "mpi": mpi_group}
     bandwidth = memcpy_bandwidth(comm, sizes.side * sizes.side * 4, sizes.repeats)
-    bar = None
-    if rank == 0:
-        from tqdm import tqdm
-
-        bar = tqdm(total=4 + 8, desc="bench", unit="row", file=sys.stderr)
+    bar = progress_bar(4 + 8, disable=rank != 0)
     rows = movement_rows(comm, groups, sizes, bar) + embedding_rows(comm, groups, sizes, bar)
-    if bar is not None:
-        bar.close()
+    bar.close()
     if rank == 0:
         args.out.mkdir(parents=True, exist_ok=True)
         text = table(rows, size, bandwidth, sizes)
@@ -421,8 +434,12 @@ def main(argv: list[str] | None = None) -> int:
         text += "\nTargets:\n\n" + "\n".join(f"- [{'x' if ok else ' '}] {what}: {figure}"
                                               for what, ok, figure in checks) + "\n"
         (args.out / f"bench-{size}ranks.md").write_text(text)
-        chart(rows, size, bandwidth, args.out / f"bench-{size}ranks.png")
+        picture = args.out / f"bench-{size}ranks.png"
         print(text)
+        if chart(rows, size, sizes, picture):
+            print(f"chart: {picture}")
+        else:
+            print("chart: not drawn, matplotlib is not installed (`make install` installs it)")
     dist.destroy_process_group()
     shardwise.destroy()
     return 0

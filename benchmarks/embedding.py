@@ -37,6 +37,7 @@ benchmarks/results/embedding.md and prints it.
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 from typing import Any, Callable
@@ -186,6 +187,9 @@ def main() -> int:
         V, D, BATCH, BAG, WARMUP, REPEATS = 2000, 16, 64, 4, 1, 2
     # torch._shard warns on every call that it is deprecated in favour of DTensor (and so do its collectives).
     warnings.filterwarnings("ignore", category=FutureWarning)
+    # This script makes torch.distributed's default group itself (gloo, below), so the mpi
+    # backend must leave torch.distributed alone (by default it brings up "mpi4py" there).
+    os.environ["SHARDWISE_MPI_TORCH_DIST"] = "0"
     mpi_group = shardwise.init("mpi")
     comm = mpi().COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()

@@ -17,6 +17,7 @@ benchmarks/results/mpi_collectives.md and prints it.
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any, Callable
 
@@ -77,6 +78,9 @@ def main() -> int:
     args = script_args(__doc__)
     if args.smoke:
         WARMUP, REPEATS, SIZES_MIB = 1, {1: 2}, (1,)
+    # This script makes torch.distributed's default group itself (gloo, below), so the mpi
+    # backend must leave torch.distributed alone (by default it brings up "mpi4py" there).
+    os.environ["SHARDWISE_MPI_TORCH_DIST"] = "0"
     mpi_group = shardwise.init("mpi")
     comm = mpi().COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()

@@ -15,11 +15,20 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 import torch
+from _progress import progress
 from _recsys_data import ClickData
 from _recsys_model import Table, build_model
-from tqdm import tqdm
 
-__all__ = ["LOSS_TOLERANCE", "WEIGHT_TOLERANCE", "Reference", "curve_summary", "dense_reference", "compare"]
+__all__ = [
+    "LOSS_TOLERANCE",
+    "WEIGHT_TOLERANCE",
+    "Reference",
+    "blind_loss",
+    "compare",
+    "curve_summary",
+    "dense_reference",
+    "effective_window",
+]
 
 #: Largest difference allowed between a step's sharded and dense loss. The
 #: runs differ only in the order float32 sums are taken (about 1e-7 in a
@@ -68,7 +77,7 @@ def dense_reference(
         steps: Steps to train.
         lr: Adagrad's learning rate.
         eps: Adagrad's epsilon.
-        show: Show a progress bar.
+        show: Show progress (a bar on a terminal, a few plain lines in a log).
     """
     model = build_model(tables, hidden, seed, torch.device("cpu"))
     optimizer = torch.optim.Adagrad(model.parameters(), lr=lr, eps=eps)
@@ -76,7 +85,8 @@ def dense_reference(
     losses: list[float] = []
     true_losses: list[float] = []
     clicks = 0.0
-    for step in tqdm(range(steps), desc="dense reference", unit="step", disable=not show, leave=False):
+    bar = progress(steps, "dense reference", "step", disable=not show, leave=False)
+    for step in range(steps):
         samples = data.global_batch(step, batch)
         loss = torch.nn.functional.binary_cross_entropy_with_logits(model(samples.ids), samples.labels)
         optimizer.zero_grad()
@@ -85,8 +95,20 @@ def dense_reference(
         losses.append(loss.item())
         true_losses.append(samples.true_loss())
         clicks += float(samples.labels.sum())
+        bar.update(1)
+    bar.close()
     weights = {name: value.detach() for name, value in model.state_dict().items()}
     return Reference(losses, true_losses, clicks / (steps * batch), weights)
+
+
+def effective_window(steps: int, window: int) -> int:
+    """The moving average's window for a curve of ``steps`` steps: ``window``, but at most half the curve."""
+    return max(1, min(window, steps // 2 or 1))
+
+
+def blind_loss(click_rate: float) -> float:
+    """The loss of always predicting the overall click rate: what a model that learned nothing about the ids gets."""
+    return -(click_rate * math.log(click_rate) + (1 - click_rate) * math.log(1 - click_rate))
 
 
 def _mean(values: Sequence[float]) -> float:
@@ -107,7 +129,7 @@ def curve_summary(
         rows: About how many steps to show.
     """
     n = len(losses)
-    window = max(1, min(window, n // 2 or 1))
+    window = effective_window(n, window)
     shown = sorted({round(i * (n - 1) / (rows - 1)) for i in range(rows)} | _resume_steps(ranks_of_step))
     lines = [
         "loss curve (binary cross-entropy, mean over the global batch). avg: mean of the last "
@@ -124,8 +146,7 @@ def curve_summary(
     first, last = _mean(losses[:window]), _mean(losses[-window:])
     best = _mean(reference.true_losses[-window:])
     rate = reference.click_rate
-    # The loss of always predicting the overall click rate: what a model that learned nothing about the ids gets.
-    blind = -(rate * math.log(rate) + (1 - rate) * math.log(1 - rate))
+    blind = blind_loss(rate)
     lines += [
         f"mean loss of the first {window} steps {first:.4f} -> of the last {window} steps {last:.4f}",
         f"  (on those last samples the hidden model scores {best:.4f}; predicting the overall click rate, "

@@ -6,7 +6,8 @@ rows, the context table by columns. A replicated MLP turns the pooled
 embeddings into a click logit. ``ShardedOptimizer`` (Adagrad) steps each
 rank's shards and its copy of the MLP, on synthetic clicks with a hidden
 signal. At the end rank 0 replays the training in one process with plain
-dense tables and checks that the sharded run did the same maths.
+dense tables, checks that the sharded run did the same maths, and draws
+the loss curve of both as a PNG (``--plot``; needs matplotlib).
 
     .venv/bin/mpiexec -n 2 .venv/bin/python examples/recsys.py --checkpoint /tmp/recsys-ckpt
     .venv/bin/mpiexec -n 3 .venv/bin/python examples/recsys.py --resume /tmp/recsys-ckpt
@@ -24,13 +25,15 @@ import os
 import socket
 import sys
 import time
+from pathlib import Path
 from typing import Any, NoReturn, Optional, Sequence
 
 import torch
+from _progress import progress
 from _recsys_data import ClickData, rank_rows
 from _recsys_model import RecModel, Table, batch_loss, build_model, shard_tables, sync_dense_grads
+from _recsys_plot import save_loss_picture
 from _recsys_report import compare, curve_summary, dense_reference
-from tqdm import tqdm
 
 import shardwise
 import shardwise.checkpoint
@@ -38,6 +41,8 @@ from shardwise.sharded_optim import ShardedOptimizer, named_params_with_sharded_
 
 #: Steps in the moving average shown on the progress bar and in the summary.
 WINDOW = 20
+#: Where the loss picture goes when a run neither saves nor resumes a checkpoint (as in ``make demo``).
+PICTURE_DIR = Path(__file__).resolve().parents[1] / "build" / "demo"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +113,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--backend", choices=("gloo", "mpi", "nccl"), help="collective backend (default: "
                         "shardwise picks from the launcher: mpi under mpiexec, nccl with CUDA, else gloo)")
     parser.add_argument("--tiny", action="store_true", help="small tables and few steps: a smoke test of seconds")
+    parser.add_argument("--plot", metavar="PNG", type=Path, help="where to draw the loss curve, sharded against "
+                        "dense, of every step so far (default: beside the checkpoint saved or resumed, named "
+                        "after its steps: PATH-loss-steps-0-299.png; without one, under build/demo)")
     args = parser.parse_args(argv)
     for name in ("steps", "batch"):
         value = getattr(args, name)
@@ -190,6 +198,24 @@ def read_history(path: str, args: argparse.Namespace, config: Config, group: sha
     return history
 
 
+def picture_path(args: argparse.Namespace, steps_done: int) -> Path:
+    """Where to draw the loss curve of steps ``0..steps_done - 1``: ``--plot``, else beside the checkpoint.
+
+    Every run draws all the steps so far (a resumed run's checkpoint holds
+    the earlier losses), so the resumed run's picture shows both runs, each
+    in its colour. Naming the file after its steps keeps the first run's
+    picture beside it instead of overwriting it.
+    """
+    if args.plot is not None:
+        return Path(args.plot)
+    suffix = f"-loss-steps-0-{steps_done - 1}.png"
+    checkpoint = args.checkpoint or args.resume
+    if checkpoint:
+        where = Path(checkpoint)
+        return where.parent / f"{where.name}{suffix}"
+    return PICTURE_DIR / f"recsys{suffix}"
+
+
 def train(
     model: RecModel,
     optimizer: ShardedOptimizer,
@@ -208,8 +234,8 @@ def train(
     batch, rank, world = history.batch, group.rank, group.size
     rows = rank_rows(batch, rank, world)
     start = len(history.losses)
-    bar = tqdm(total=steps * batch, unit="sample", unit_scale=True, disable=rank != 0, dynamic_ncols=True,
-               desc=f"steps {start}..{start + steps - 1} on {label}")
+    bar = progress(steps * batch, f"steps {start}..{start + steps - 1} on {label}", "sample", unit_scale=True,
+                   disable=rank != 0, dynamic_ncols=True)
     began = time.perf_counter()
     for step in range(start, start + steps):
         local = data.global_batch(step, batch)[rows].to(group.device)
@@ -224,7 +250,7 @@ def train(
                       f"{step - 1} {history.losses[-2]:.4f}, mean of the last {len(before)} steps "
                       f"{sum(before) / len(before):.4f}")
         recent = history.losses[-WINDOW:]
-        bar.set_postfix(loss=f"{sum(recent) / len(recent):.4f}", refresh=False)
+        bar.set_postfix_str(f"loss={sum(recent) / len(recent):.4f}", refresh=False)
         bar.update(batch)
     bar.close()
     return time.perf_counter() - began
@@ -311,6 +337,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     reference = dense_reference(config.tables, config.hidden, seed=history.seed, batch=history.batch,
                                 steps=len(history.losses), lr=config.lr, eps=config.eps, show=True)
     print(curve_summary(history.losses, reference, history.run_of_each_step(), WINDOW))
+    picture = picture_path(args, len(history.losses))
+    if save_loss_picture(picture, history.losses, reference, history.runs, WINDOW):
+        print(f"loss curve picture (sharded against dense, steps 0..{len(history.losses) - 1}): {picture}")
+    else:
+        print("loss curve picture: not drawn, matplotlib is not installed (`make install` installs it, or "
+              "`.venv/bin/python -m pip install matplotlib`); the demo needs it for nothing else")
     match, report = compare(history.losses, weights, reference, replicas_agree, world)
     print(report, flush=True)
     return 0 if match else 1

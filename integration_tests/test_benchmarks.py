@@ -3,16 +3,31 @@
 The timings of a smoke run mean nothing; what is checked is that the
 scripts, their correctness checks (every column against the dense result)
 and their outputs still work, so ``make bench`` does not rot between runs.
+The chart of ``make bench`` is also built from synthetic timings, in this
+process, to check what it shows.
 """
 
 from __future__ import annotations
 
+import importlib
+import re
+import struct
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 from test_mpiexec import mpiexec
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _assert_png(path: Path) -> None:
+    """``path`` is a PNG with a nonzero size: its signature, then an IHDR chunk with its width and height."""
+    data = path.read_bytes()
+    assert data[:8] == PNG_SIGNATURE and data[12:16] == b"IHDR", data[:16]
+    width, height = struct.unpack(">II", data[16:24])
+    assert width > 100 and height > 100, (width, height)
 
 
 def test_bench_smoke_writes_table_targets_and_chart(tmp_path: Path) -> None:
@@ -20,10 +35,15 @@ def test_bench_smoke_writes_table_targets_and_chart(tmp_path: Path) -> None:
     out = mpiexec(BENCHMARKS / "bench.py", 2, "--smoke", "--out", str(tmp_path))
     text = (tmp_path / "bench-2ranks.md").read_text()
     for row in ("scatter 64 KiB", "reshard dim 0 <-> 1 64 KiB", "gather to rank 0 64 KiB", "full_tensor 64 KiB",
-                "embedding row-wise fwd+bwd", "embedding_bag sum column-wise fwd"):
+                "embedding row-wise fwd", "embedding_bag sum column-wise fwd"):
         assert f"| {row} |" in text, text
     assert "Targets:" in text and text in out
-    assert (tmp_path / "bench-2ranks.png").read_bytes().startswith(b"\x89PNG")
+    assert f"chart: {tmp_path / 'bench-2ranks.png'}" in out, out
+    _assert_png(tmp_path / "bench-2ranks.png")
+    # The output is a pipe, not a terminal: plain progress lines, no bar redrawn with carriage returns.
+    assert "\r" not in out, repr(out)
+    progress = re.findall(r"^bench: .*$", out, flags=re.MULTILINE)
+    assert 1 <= len(progress) <= 11 and progress[-1].startswith("bench: done, 12/12 rows in "), progress
 
 
 @pytest.mark.parametrize(("script", "result"), [("embedding.py", "embedding.md"),
@@ -32,3 +52,56 @@ def test_benchmark_smoke(tmp_path: Path, script: str, result: str) -> None:
     out = mpiexec(BENCHMARKS / script, 2, "--smoke", "--out", str(tmp_path))
     text = (tmp_path / result).read_text()
     assert text.count("\n| ") >= 4 and text in out
+
+
+@pytest.fixture
+def chart(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """benchmarks/_chart.py, imported as the benchmarks import it (their directory on sys.path)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    return importlib.import_module("_chart")
+
+
+def _synthetic(chart: ModuleType) -> list[tuple[str, dict[str, object]]]:
+    spread = importlib.import_module("_timing").Spread
+    return [
+        # torch 60 ms; shardwise over gloo 20 ms (3x), over mpi 5 ms (12x); each with its own min-max.
+        ("scatter", {"torch": spread(50.0, 60.0, 90.0), "gloo": spread(15.0, 20.0, 30.0),
+                     "mpi": spread(4.0, 5.0, 6.0)}),
+        # torch._shard has no full_tensor.
+        ("full_tensor", {"gloo": spread(40.0, 55.3, 70.0), "mpi": spread(5.0, 5.9, 9.0)}),
+        # shardwise over gloo slower than torch: a bar below 1.
+        ("bag fwd", {"torch": spread(10.0, 12.0, 14.0), "gloo": spread(14.0, 15.0, 20.0),
+                     "mpi": spread(4.0, 6.0, 8.0)}),
+    ]
+
+
+def test_speedup_bars_normalise_to_torch_with_min_max_whiskers_and_na(chart: ModuleType) -> None:
+    bars = {(bar.workload, bar.column): bar for bar in chart.speedup_bars(_synthetic(chart))}
+    assert [key[1] for key in bars][:3] == ["torch", "gloo", "mpi"]  # the reference first in each group
+    torch_bar, gloo, mpi = bars["scatter", "torch"], bars["scatter", "gloo"], bars["scatter", "mpi"]
+    assert (torch_bar.speedup, torch_bar.low, torch_bar.high, torch_bar.label) == (1.0, 60 / 90, 60 / 50, "1.00×")
+    assert (gloo.speedup, gloo.low, gloo.high, gloo.label) == (3.0, 2.0, 4.0, "3.00×")
+    assert (mpi.speedup, mpi.low, mpi.high, mpi.label) == (12.0, 10.0, 15.0, "12.00×")
+    assert bars["bag fwd", "gloo"].speedup == pytest.approx(0.8) and bars["bag fwd", "gloo"].label == "0.80×"
+    # No torch._shard call: no bar in the group, "n/a" in torch's place, the shardwise times in ms.
+    na = [bars["full_tensor", col] for col in ("torch", "gloo", "mpi")]
+    assert [bar.speedup for bar in na] == [None, None, None]
+    assert [bar.label for bar in na] == ["n/a", "55.3 ms", "5.9 ms"]
+
+
+def test_speedup_chart_draws_the_bars_and_their_labels(chart: ModuleType, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="the chart is drawn with matplotlib")
+    fig = chart.speedup_chart(_synthetic(chart), "title", "how it was measured")
+    ax = fig.axes[0]
+    heights = sorted(round(patch.get_height(), 6) for patch in ax.patches)
+    # Two workloads with torch._shard, three bars each; full_tensor has none.
+    assert heights == sorted([1.0, 3.0, 12.0, 1.0, 0.8, 2.0]), heights
+    texts = [text.get_text() for text in ax.texts]
+    assert sorted(texts) == sorted(["1.00×", "3.00×", "12.00×", "1.00×", "0.80×", "2.00×", "n/a", "55.3 ms",
+                                    "5.9 ms"]), texts
+    assert [label.get_text() for label in ax.get_xticklabels()] == ["scatter", "full_tensor\n(torch._shard: n/a)",
+                                                                    "bag fwd"]
+    assert [text.get_text() for text in ax.get_legend().get_texts()] == [
+        "torch._shard over gloo (= 1)", "shardwise over gloo", "shardwise over MPI"]
+    fig.savefig(tmp_path / "chart.png")
+    _assert_png(tmp_path / "chart.png")

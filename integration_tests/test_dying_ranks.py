@@ -1,7 +1,7 @@
 """A rank killed (SIGKILL) or frozen (SIGSTOP) mid-collective, mid-reshard and mid-checkpoint-save.
 
 Three ranks run ``programs/dying_rank.py``; rank 1 ends itself inside the
-work. What must happen (and what the README's "Failure behaviour" states):
+work. What must happen (and what docs/failures.md states):
 
 * gloo, ranks started without a supervising launcher (plain ``RANK`` /
   ``WORLD_SIZE`` / ``MASTER_*``, as ``srun`` or a script starts them): every

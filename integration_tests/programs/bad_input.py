@@ -228,6 +228,34 @@ def _local_shards(ctx: Ctx, boxes: dict[int, list[tuple[list[int], list[int]]]],
     return init_from_local_shards(shards, *size)
 
 
+def _no_such_cuda() -> str:
+    """A CUDA device no rank has on this host: ``cuda:0`` without CUDA, else one past the last GPU."""
+    return f"cuda:{torch.cuda.device_count()}"
+
+
+def _cuda_everywhere(ctx: Ctx) -> ChunkShardingSpec:
+    """Row chunks, every rank's on a CUDA device it does not have."""
+    return ChunkShardingSpec(0, [f"rank:{r}/{_no_such_cuda()}" for r in range(ctx.size)])
+
+
+def _cuda_on_culprit(ctx: Ctx) -> ChunkShardingSpec:
+    """Row chunks, the same spec on every rank: rank 0's on the CPU, the culprit's on a CUDA device it lacks."""
+    return ChunkShardingSpec(0, ["rank:0/cpu", f"rank:{CULPRIT}/{_no_such_cuda()}"])
+
+
+def _cuda_enumerable_on_culprit(ctx: Ctx) -> EnumerableShardingSpec:
+    return EnumerableShardingSpec(
+        [
+            ShardMetadata([0, 0], [3, COLS], "rank:0/cpu"),
+            ShardMetadata([3, 0], [3, COLS], f"rank:{CULPRIT}/{_no_such_cuda()}"),
+        ]
+    )
+
+
+#: What the rank given a CUDA placement it cannot use raises: it names the placement and why.
+NO_CUDA = rf"placement 'rank:{CULPRIT}/cuda:\d+' names device cuda:\d+, which rank {CULPRIT} cannot use: "
+
+
 # -- reshard / gather -----------------------------------------------------------------------------------------
 
 
@@ -530,6 +558,52 @@ CASES: list[Case] = [
         "placement_rank_outside_group_on_creation",
         lambda ctx: zeros(ChunkShardingSpec(0, ["rank:0/cpu", "rank:7/cpu"]), ROWS, COLS),
         E("ValueError", r"placed on rank 7, but the group has 2 rank\(s\)"),
+    ),
+    Case(
+        "placement_device_unusable_everywhere",
+        # Every rank is given a CUDA device it does not have: each raises before any data moves.
+        _shard_with(_cuda_everywhere),
+        E(
+            "PlacementError",
+            r"placement 'rank:\d/cuda:\d+' names device cuda:\d+, which rank \d cannot use: "
+            r"(this torch .* was built without CUDA \(Torch not compiled with CUDA enabled\)|"
+            r".*invalid device ordinal)",
+        ),
+    ),
+    Case(
+        "placement_device_unusable_on_one_rank",
+        _shard_with(_cuda_on_culprit),
+        E("PlacementError", NO_CUDA),
+        culprit=CULPRIT,
+        peers=E("PeerError", r"^shard_tensor: rank 1 \(ValueError\) rejected its arguments.*cuda:\d+, which rank 1 "),
+    ),
+    Case(
+        "placement_device_unusable_enumerable_on_one_rank",
+        _shard_with(_cuda_enumerable_on_culprit),
+        E("PlacementError", NO_CUDA),
+        culprit=CULPRIT,
+        peers=E("PeerError", r"^shard_tensor: rank 1 \(ValueError\) rejected its arguments"),
+    ),
+    Case(
+        "placement_device_unusable_on_creation_on_one_rank",
+        lambda ctx: zeros(_cuda_on_culprit(ctx), ROWS, COLS),
+        E("PlacementError", NO_CUDA),
+        culprit=CULPRIT,
+        peers=E("PeerError", r"^ShardedTensor: rank 1 \(ValueError\) rejected its arguments"),
+    ),
+    Case(
+        "placement_device_unusable_on_reshard_on_one_rank",
+        _reshard_to(_cuda_on_culprit),
+        E("PlacementError", NO_CUDA),
+        culprit=CULPRIT,
+        peers=E("PeerError", r"^reshard: rank 1 \(ValueError\) rejected its arguments"),
+    ),
+    Case(
+        "placement_device_unusable_shard_parameter_on_one_rank",
+        lambda ctx: shard_parameter(_Net().fc1, "weight", _cuda_on_culprit(ctx)),
+        E("PlacementError", NO_CUDA),
+        culprit=CULPRIT,
+        peers=E("PeerError", r"^shard_tensor: rank 1 \(ValueError\) rejected its arguments"),
     ),
     # -- metadata ----------------------------------------------------------------------------------------------
     Case(

@@ -107,35 +107,35 @@ def torch_pg_only(reason: str) -> Callable[[Callable[..., Any]], Callable[..., A
     return mark
 
 
-#: The deliberate differences (rows of README's "Differences from torch.distributed._shard" table)
+#: The deliberate differences (rows of the "Differences from torch.distributed._shard" table in docs/migrating.md)
 #: that upstream tests assert torch's side of; SCOPE.md lists the tests. Each maps to the reason and to
 #: the failure (``Type: message`` of the cause, a regex) the test must end in on shardwise: such a test
 #: still runs against shardwise, so every check before the difference is exercised, and it is reported
 #: as an expected failure only when it fails exactly there.
 DIFFERENCES: dict[str, tuple[str, str]] = {
     "seeded-rand": (
-        "README differences, seeded rand/randn/nn.init: shardwise gives the same whole tensor for a seed "
+        "docs/migrating.md differences, seeded rand/randn/nn.init: shardwise gives the same whole tensor for a seed "
         "on any world size and spec; torch draws each shard from the local generator, which this test asserts",
         r"^AssertionError: Tensor-likes are not close!",
     ),
     "empty-chunk-offset": (
-        "README differences, empty trailing chunk offsets: shardwise starts an empty trailing chunk "
+        "docs/migrating.md differences, empty trailing chunk offsets: shardwise starts an empty trailing chunk "
         "where the tensor ends; torch at split * index (past the end), which this test asserts",
         r"^AssertionError: Scalars are not equal!",
     ),
     "shard-any-spec": (
-        "README differences, EnumerableShardingSpec.shard / shard_tensor with an Enumerable spec: "
+        "docs/migrating.md differences, EnumerableShardingSpec.shard / shard_tensor with an Enumerable spec: "
         "shardwise shards with any spec (here: ValueError, the spec does not cover the tensor); torch raises "
         "NotImplementedError 'not implemented yet!', which this test's last check asserts",
         r"^ValueError: cannot shard a tensor of size \[12, 12\] with EnumerableShardingSpec",
     ),
     "reshard-any-spec": (
-        "README differences, reshard: shardwise reshards to any spec (here: ValueError, the spec "
+        "docs/migrating.md differences, reshard: shardwise reshards to any spec (here: ValueError, the spec "
         "does not cover the tensor); torch refuses a non-chunk spec with NotImplementedError, which this test asserts",
         r"^ValueError: cannot reshard a tensor of size \[24, 12\] with EnumerableShardingSpec",
     ),
     "sharder-swaps-module": (
-        "README differences, Sharder in shard_module: shardwise replaces the submodule; torch sets "
+        "docs/migrating.md differences, Sharder in shard_module: shardwise replaces the submodule; torch sets "
         "an attribute literally named mod_name on the parent and keeps the old module, which this test relies on "
         "(its CustomShardedEBC has no forward)",
         r'^NotImplementedError: Module \[CustomShardedEBC\] is missing the required "forward" function',
@@ -151,7 +151,9 @@ def differs_on_shardwise(key: str) -> Callable[[Callable[..., Any]], Callable[..
     else, fails. Against torch it runs as usual.
     """
     if key not in DIFFERENCES:
-        raise KeyError(f"unknown difference {key!r}: add it to DIFFERENCES (and README's differences table)")
+        raise KeyError(
+            f"unknown difference {key!r}: add it to DIFFERENCES (and the differences table in docs/migrating.md)"
+        )
 
     def mark(fn: Callable[..., Any]) -> Callable[..., Any]:
         fn._differs_on_shardwise = key  # type: ignore[attr-defined]

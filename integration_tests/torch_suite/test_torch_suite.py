@@ -140,7 +140,7 @@ def _check_difference(key: str, outcome: dict[str, Any]) -> None:
     if outcome["status"] == "pass":
         pytest.fail(
             f"passes on shardwise although marked as the deliberate difference {key!r}: remove the marker "
-            f"(and check README's differences table)",
+            f"(and check the differences table in docs/migrating.md)",
             pytrace=False,
         )
     cause = outcome["detail"].splitlines()[0]

@@ -13,9 +13,11 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
+import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+import shardwise
 from shardwise._registry import manager as _registry
 from shardwise.testing import isolated_plugins  # noqa: E402
 
@@ -39,3 +41,12 @@ def core_only(monkeypatch: pytest.MonkeyPatch) -> None:
     for name, value in RANK_ENV.items():
         monkeypatch.setenv(name, value)
     _registry.reset()
+
+
+@pytest.fixture
+def clean_session(core_only: None) -> Iterator[None]:
+    """``core_only``, and no default group or torch process group left behind by the test."""
+    yield
+    shardwise.destroy()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -53,11 +53,14 @@ def test_text_output_lists_every_section(core_only: None, capsys: pytest.Capture
     assert main(["info"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("shardwise 0.1.0 (torch ")
-    for heading in ("Plugins:", "Backends:", "Launchers (tried in this order):", "Sharded ops:"):
+    for heading in ("Plugins:", "Backends:", "Launchers (tried in this order):", "Buffer cache:", "Sharded ops by"):
         assert heading in out
     assert "core_test_backend" in out and "shardwise._session.launchers" in out
     assert "test-gloo  available" in out
-    # The core's own ops come through the same hook as any plugin's.
+    # The core's own ops come through the same hook as any plugin's; its torch internals are only in --all.
+    assert "  shardwise._tensor.core_ops: " in out and "torch.Tensor.shape.__get__" not in out
+    assert main(["info", "--all"]) == 0
+    out = capsys.readouterr().out
     assert "torch.Tensor.shape.__get__" in out and "shardwise.sharding_spec.ShardingSpec" in out
 
 
@@ -73,6 +76,7 @@ def test_json_output(core_only: None, capsys: pytest.CaptureFixture[str]) -> Non
 def test_render_without_backends() -> None:
     info = {"shardwise": "0", "torch": "t", "python": "p", "plugins": [], "backends": [], "launchers": [], "sharded_ops": []}
     info["launchers"] = [{"name": "single", "description": "d"}]
+    info["buffer_cache"] = {"held_bytes": 0, "limit_bytes": 0, "env": "SHARDWISE_BUFFER_CACHE_MB", "error": ""}
     assert "(none installed: `pip install shardwise-gloo`)" in render(info)
 
 

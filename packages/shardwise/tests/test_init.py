@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable
 
 import pytest
 import torch
@@ -17,11 +17,8 @@ from shardwise.torch_group import TorchGroup
 
 
 @pytest.fixture(autouse=True)
-def _clean(core_only: None) -> Iterator[None]:
-    yield
-    shardwise.destroy()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def _clean(clean_session: None) -> None:
+    """Every test here starts a session: see ``clean_session``."""
 
 
 class Fake:

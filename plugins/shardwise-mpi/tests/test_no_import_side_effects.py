@@ -128,23 +128,6 @@ def test_register_torch_backend_is_idempotent_and_thread_safe() -> None:
     )
 
 
-def test_choosing_backend_mpi_registers_no_torch_backend() -> None:
-    # shardwise's own "mpi" groups call MPI directly: creating one (a world of
-    # one, MPI singleton init) must leave torch.distributed as it was.
-    _python(
-        """
-        import shardwise
-
-        before = snapshot()
-        group = shardwise.init(backend="mpi")
-        assert (group.backend, group.size) == ("mpi", 1), group
-        assert "mpi4py" in sys.modules
-        assert_unchanged(before, snapshot(), 'shardwise.init(backend="mpi")')
-        shardwise.destroy()
-        """
-    )
-
-
 @needs_mpiexec
 def test_torch_native_init_process_group_after_the_documented_call() -> None:
     # Under a real mpiexec, no rendezvous variables: what the README tells torch-native users to write.

@@ -6,6 +6,7 @@ and backend libraries (mpi4py, CUDA) load only when their backend is chosen.
 
 from __future__ import annotations
 
+from shardwise._comm.buffers import empty_cache
 from shardwise._comm.group import Group
 from shardwise._modules.plan import ShardingPlan
 from shardwise._modules.sharder import Sharder
@@ -61,6 +62,7 @@ __all__ = [
     "ShardingSpec",
     "TensorProperties",
     "destroy",
+    "empty_cache",
     "from_torch",
     "get_default_group",
     "hookimpl",

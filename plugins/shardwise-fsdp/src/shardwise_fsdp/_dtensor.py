@@ -154,7 +154,8 @@ def to_dtensor(st: ShardedTensor, device_mesh: Optional[DeviceMesh] = None) -> D
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "to_dtensor needs torch.distributed initialised (DTensor runs on torch process groups: gloo, nccl, "
-            "or shardwise-mpi's 'mpi4py'); call torch.distributed.init_process_group first"
+            "or shardwise-mpi's 'mpi4py'); call shardwise.init() (it initialises torch.distributed on every backend) "
+            "or torch.distributed.init_process_group first"
         )
     md = st.metadata()
     size = tuple(st.size())

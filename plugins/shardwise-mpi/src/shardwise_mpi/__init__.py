@@ -37,10 +37,11 @@ def register_torch_backend() -> None:
     Idempotent and thread-safe. Imports neither mpi4py nor MPI: MPI starts
     when the first ``"mpi4py"`` group (or an MPI rendezvous) is created.
 
-    shardwise's own backend ``"mpi"`` (``shardwise.init("mpi")``) does not
-    need this and does not call it: its groups use MPI directly. Call it
-    before ``init_process_group`` when torch-native code in the same job
-    should run over MPI too.
+    ``shardwise.init()`` on backend ``"mpi"`` calls it and initialises
+    torch.distributed's default group on ``"mpi4py"`` itself, unless
+    ``SHARDWISE_MPI_TORCH_DIST=0`` or torch.distributed is initialised
+    already. Call it yourself before ``init_process_group`` in torch-native
+    code that does not call ``shardwise.init()``.
 
     Example::
 

@@ -445,24 +445,39 @@ def _under_mpi_launcher() -> bool:
 
 
 def _mpi_store(timeout: timedelta) -> tuple[Any, int, int]:
-    """A TCPStore hosted by MPI rank 0 on a free port, found by every rank through MPI."""
+    """A TCPStore hosted by MPI rank 0 on a free port, found by every rank through MPI.
+
+    Raises:
+        RuntimeError: rank 0 could not open the store (raised on every rank,
+            so none waits for an address that never comes), or this rank
+            could not connect to it within ``timeout``.
+    """
     MPI = _mpi()
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
     store = None
-    address: Optional[tuple[str, int]] = None
+    failure: Optional[Exception] = None
+    # Fixed-size bytes, not mpi4py's pickling bcast: no rank unpickles a peer's data.
+    # All zeros means rank 0 has no store: every rank then raises instead of waiting.
+    buf = bytearray(_ADDRESS_BYTES)
     if rank == 0:
         host = os.environ.get("MASTER_ADDR") or socket.gethostname()
-        store = dist.TCPStore(host, 0, size, True, timeout=timeout, wait_for_workers=False)
-        address = (host, store.port)
-    # Fixed-size bytes, not mpi4py's pickling bcast: no rank unpickles a peer's data.
-    buf = bytearray(_ADDRESS_BYTES)
-    if address is not None:
-        text = json.dumps(list(address)).encode()
-        if len(text) > _ADDRESS_BYTES:
-            raise RuntimeError(f"host name {address[0]!r} is too long for the mpi4py rendezvous; set MASTER_ADDR")
-        buf[: len(text)] = text
+        try:
+            store = dist.TCPStore(host, 0, size, True, timeout=timeout, wait_for_workers=False)
+            text = json.dumps([host, store.port]).encode()
+            if len(text) > _ADDRESS_BYTES:
+                raise RuntimeError(f"host name {host!r} is too long for the mpi4py rendezvous; set MASTER_ADDR")
+            buf[: len(text)] = text
+        except (RuntimeError, OSError) as exc:
+            failure = exc
     world.Bcast([buf, MPI.BYTE], root=0)
+    if failure is not None:
+        raise failure
+    if not any(buf):
+        raise RuntimeError(
+            "rank 0 could not open the TCP store of the mpi4py rendezvous (its own error says why); "
+            "set MASTER_ADDR to an address of rank 0's host that every rank can reach"
+        )
     if rank != 0:
         host, port = json.loads(bytes(buf).rstrip(b"\0").decode())
         store = dist.TCPStore(host, int(port), size, False, timeout=timeout)

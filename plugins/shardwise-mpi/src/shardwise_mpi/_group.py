@@ -25,6 +25,7 @@ from datetime import timedelta
 from typing import Any, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 from mpi4py import MPI
 
 from shardwise.sdk import DEFAULT_TIMEOUT, REDUCE_OPS, Group, empty_like
@@ -90,6 +91,9 @@ class MpiGroup(Group):
             reports it and aborts the job (MPI cannot cancel a blocked
             call; see :mod:`shardwise_mpi._watchdog`). Default 5 minutes;
             None disables it.
+        torch_default_group: torch.distributed's default process group if
+            it was made for this group (``create_group``): :meth:`destroy`
+            destroys it too.
     """
 
     def __init__(
@@ -100,6 +104,7 @@ class MpiGroup(Group):
         owns_comm: bool = True,
         verify: Optional[bool] = None,
         timeout: Optional[timedelta] = DEFAULT_TIMEOUT,
+        torch_default_group: Optional[dist.ProcessGroup] = None,
     ) -> None:
         # _collectives stages CUDA tensors itself (or hands them to a
         # CUDA-aware MPI), so the base class need not stage them.
@@ -115,6 +120,7 @@ class MpiGroup(Group):
         )
         self.comm = comm
         self._owns_comm = owns_comm
+        self._torch_default_group = torch_default_group
         self._timeout = timeout
         self._watch = Watchdog(timeout, lambda: f"rank {self.rank} of {self.size}")
 
@@ -214,8 +220,16 @@ class MpiGroup(Group):
         return MpiGroup(sub, device=self._device, owns_comm=True, verify=self.verify, timeout=self._timeout)
 
     def destroy(self) -> None:
-        """Free the communicator (if this group made it); the group is unusable afterwards."""
+        """Free the communicator (if this group made it); the group is unusable afterwards.
+
+        Also destroys torch.distributed's default process group if it was
+        made with this group and is still the default (not if the user
+        already destroyed or replaced it).
+        """
         self._watch.close()
+        torch_group, self._torch_default_group = self._torch_default_group, None
+        if torch_group is not None and dist.is_initialized() and dist.group.WORLD is torch_group:
+            dist.destroy_process_group()
         if self._owns_comm and self.comm != MPI.COMM_NULL and not MPI.Is_finalized():
             self.comm.Free()
         self._owns_comm = False

@@ -1,30 +1,52 @@
 """Registers backend ``"mpi"`` through the ``shardwise_backends`` hook.
 
-Importing this module imports neither mpi4py nor libmpi: ``shardwise info``
-and backend selection must not initialise MPI. MPI is initialised only in
-:func:`create_group`, when the backend has been chosen. Nothing here
-registers the torch.distributed backend ``"mpi4py"`` either, not even
-:func:`create_group`: a shardwise ``"mpi"`` group calls MPI directly and
-never goes through torch.distributed, so choosing it must leave torch's
-backends and rendezvous handlers alone. Torch-native code in the same job
-calls :func:`shardwise_mpi.register_torch_backend` first.
+Importing this module imports neither mpi4py nor libmpi and changes no torch
+global: ``shardwise info`` and backend selection must not initialise MPI or
+touch torch.distributed. Both happen only in :func:`create_group`, once the
+backend has been chosen (``shardwise.init()`` under ``mpiexec``).
+
+:func:`create_group` also brings up torch.distributed's default process
+group over the same ``MPI.COMM_WORLD``, with the torch backend ``"mpi4py"``,
+as the gloo backend does with gloo: after ``shardwise.init()`` alone,
+torch-native code (DTensor, ``init_device_mesh``, FSDP, distributed
+checkpoint) runs over MPI. It costs a few milliseconds once (rank 0 opens a
+``TCPStore`` on a free port and sends its address over MPI; torch's
+``new_group`` and any other torch backend need that shared store). It is
+skipped, and torch.distributed left alone, when torch.distributed is already
+initialised (the user's own group is kept) or when
+``SHARDWISE_MPI_TORCH_DIST=0`` (a cluster where ranks cannot reach rank 0
+over TCP, or a job that initialises torch.distributed itself afterwards,
+for example with nccl).
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
 import time
+from array import array
 from datetime import timedelta
 from types import TracebackType
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
+
+import torch.distributed as dist
 
 from shardwise import Availability, Backend, Group, LaunchInfo, hookimpl
 from shardwise.errors import LaunchError
+from shardwise_mpi._c10d import BACKEND_NAME, _mpi_store, register
 from shardwise_mpi._watchdog import FORWARD_GRACE
 
-__all__ = ["create_group", "install_abort_hook", "is_available", "shardwise_backends"]
+__all__ = ["TORCH_DIST_ENV", "create_group", "install_abort_hook", "is_available", "shardwise_backends"]
 
 _INSTALL = "`pip install shardwise-mpi[mpich]` (MPICH and mpiexec from PyPI) or install a system MPI"
+
+#: ``SHARDWISE_MPI_TORCH_DIST=0`` keeps :func:`create_group` from initialising torch.distributed.
+TORCH_DIST_ENV = "SHARDWISE_MPI_TORCH_DIST"
+_OFF = ("0", "false", "no", "off")
+_ON = ("", "1", "true", "yes", "on")
+
+_log = logging.getLogger("shardwise.session")
 
 
 def is_available() -> Availability:
@@ -99,10 +121,17 @@ def create_group(launch: LaunchInfo, timeout: timedelta) -> Group:
     which rank and collective and aborts the job (see
     :class:`~shardwise_mpi._watchdog.Watchdog`).
 
+    Unless ``SHARDWISE_MPI_TORCH_DIST=0``, or torch.distributed is already
+    initialised, it also initialises torch.distributed's default process
+    group with the backend ``"mpi4py"`` over the same processes and
+    ``timeout`` (see the module docstring); the group's ``destroy`` tears
+    it down again.
+
     Raises:
         LaunchError: MPI's world disagrees with what the launcher said
             (for example ``backend="mpi"`` under torchrun, where every
-            process is its own MPI world).
+            process is its own MPI world), or torch.distributed could not
+            be initialised (on every rank; the message says why).
     """
     # Imported on use: MPI starts here, when the backend has been chosen, not when the plugin loads.
     import mpi4py
@@ -125,8 +154,97 @@ def create_group(launch: LaunchInfo, timeout: timedelta) -> Group:
     # Imports mpi4py.MPI: only once MPI is initialised with the thread level above.
     from shardwise_mpi._group import MpiGroup
 
-    # A duplicate keeps shardwise's messages apart from the user's own MPI calls on COMM_WORLD.
-    return MpiGroup(world.Dup(), owns_comm=True, timeout=timeout)
+    torch_group = _init_torch_default_group(MPI, world, timeout)
+    try:
+        # A duplicate keeps shardwise's messages apart from the user's own MPI calls on COMM_WORLD.
+        return MpiGroup(world.Dup(), owns_comm=True, timeout=timeout, torch_default_group=torch_group)
+    except BaseException:
+        if torch_group is not None:
+            dist.destroy_process_group()
+        raise
+
+
+def _torch_dist_setting() -> Optional[bool]:
+    """``SHARDWISE_MPI_TORCH_DIST`` as a bool (unset: on); None when the value is not one it understands."""
+    raw = os.environ.get(TORCH_DIST_ENV, "").strip().lower()
+    if raw in _OFF:
+        return False
+    return True if raw in _ON else None
+
+
+def _init_torch_default_group(mpi: Any, world: Any, timeout: timedelta) -> Optional[dist.ProcessGroup]:
+    """Initialise torch.distributed's default group with backend ``"mpi4py"`` over ``world``, unless told not to.
+
+    Every rank decides the same way: the setting of ``SHARDWISE_MPI_TORCH_DIST``
+    and whether torch.distributed is already initialised are exchanged over
+    ``world`` first (one small all-gather), and so is the outcome of the
+    rendezvous, so a rank that fails makes every rank raise instead of
+    leaving its peers waiting in torch's first collective.
+
+    Args:
+        mpi: The ``mpi4py.MPI`` module (imported by :func:`create_group` once MPI is initialised).
+        world: ``MPI.COMM_WORLD``.
+        timeout: The rendezvous's and the torch group's timeout (``shardwise.init``'s).
+
+    Returns:
+        The default process group made here (the :class:`MpiGroup` destroys
+        it), or None when torch.distributed was left alone.
+
+    Raises:
+        LaunchError: the ranks disagree (the variable differs, or
+            torch.distributed is initialised on some ranks only), the
+            variable's value is not understood, or the rendezvous failed
+            on some rank.
+    """
+    if not dist.is_available():  # a torch built without distributed support: nothing to initialise
+        return None
+    size = world.Get_size()
+    setting = _torch_dist_setting()
+    mine = array("i", [-1 if setting is None else int(setting), int(dist.is_initialized())])
+    table = array("i", [0]) * (2 * size)
+    world.Allgather([mine, mpi.INT], [table, mpi.INT])
+    settings, initialised = table[0::2], table[1::2]
+    if -1 in settings:
+        bad = [r for r, s in enumerate(settings) if s == -1]
+        raise LaunchError(
+            f"{TORCH_DIST_ENV} must be 1 (the default: shardwise.init() initialises torch.distributed over MPI) "
+            f"or 0 (leave torch.distributed alone), but ranks {bad} of {size} have another value (this rank: "
+            f"{os.environ.get(TORCH_DIST_ENV)!r}); set it to 1 or 0 on every rank"
+        )
+    if len(set(settings)) > 1 or len(set(initialised)) > 1:
+        raise LaunchError(
+            f"the ranks disagree on torch.distributed: {TORCH_DIST_ENV} reads {list(settings)} and "
+            f"torch.distributed is initialised on ranks {[r for r, i in enumerate(initialised) if i]} "
+            f"of {size}; set {TORCH_DIST_ENV} the same way on every rank, and initialise torch.distributed "
+            "on every rank or on none before shardwise.init()"
+        )
+    if not settings[0]:
+        _log.debug("torch.distributed left alone (%s=0)", TORCH_DIST_ENV)
+        return None
+    if initialised[0]:
+        _log.debug("torch.distributed is already initialised (backend %s): left as it is", dist.get_backend())
+        return None
+    register()
+    store: Optional[dist.Store] = None
+    failure: Optional[Exception] = None
+    try:
+        # One rank needs no rendezvous (as the gloo backend does with its world of one).
+        store = dist.HashStore() if size == 1 else _mpi_store(timeout)[0]
+    except (RuntimeError, OSError) as exc:
+        failure = exc
+    failed = array("i", [0]) * size
+    world.Allgather([array("i", [int(failure is not None)]), mpi.INT], [failed, mpi.INT])
+    if any(failed):
+        detail = " ".join(str(failure).split()) if failure is not None else "this rank's own part succeeded"
+        raise LaunchError(
+            f"shardwise.init() could not initialise torch.distributed over MPI: the rendezvous failed on ranks "
+            f"{[r for r, f in enumerate(failed) if f]} ({detail}). Set MASTER_ADDR to an address of rank 0's "
+            f"host that every rank can reach, or {TORCH_DIST_ENV}=0 if this job runs no torch-native code "
+            "(DTensor, FSDP, distributed checkpoint) over MPI"
+        ) from failure
+    dist.init_process_group(BACKEND_NAME, store=store, rank=world.Get_rank(), world_size=size, timeout=timeout)
+    _log.debug("torch.distributed's default process group initialised over MPI (backend %r)", BACKEND_NAME)
+    return dist.group.WORLD
 
 
 @hookimpl

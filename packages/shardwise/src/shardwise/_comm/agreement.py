@@ -18,12 +18,18 @@ While a backend primitive runs, :class:`CallLabel` (an immutable record in a
 context variable, so threads and nested calls each see their own) says
 which user call it belongs to, so a transport error names ``shard_tensor``
 rather than the all-gather that carried its handshake.
+
+Every disagreement (a rank rejected its arguments, or ranks called different
+collectives or passed different roots, reduce ops, dtypes or sizes) is logged
+at DEBUG on the ``shardwise.agreement`` logger (``SHARDWISE_LOGS=agreement=debug``)
+by every rank, just before it raises; agreeing costs nothing more.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import logging
 import struct
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional, Sequence
@@ -45,9 +51,12 @@ __all__ = [
     "failed_call",
     "inline_capacity",
     "labelled",
+    "log_rejections",
     "peer_error",
     "raise_verdict",
 ]
+
+_log = logging.getLogger("shardwise.agreement")
 
 _OPS = (
     "barrier", "broadcast", "all_reduce", "all_gather", "reduce_scatter",
@@ -244,6 +253,34 @@ def peer_error(op: str, failures: Sequence[tuple[int, str, str]]) -> PeerError:
     )
 
 
+def _failures(rows: Rows) -> list[tuple[int, str, str]]:
+    """``(rank, error kind, message)`` of each rank whose row reports a failed check."""
+    failures = []
+    for r in range(rows.size):
+        if rows.status(r) != 0:
+            name, _, message = rows.inline(r).decode(errors="replace").partition("\n")
+            failures.append((r, name or "error", message))
+    return failures
+
+
+def log_rejections(rows: Rows, op: str) -> None:
+    """Log at DEBUG which ranks rejected their part of ``op``, and why (the same line on every rank).
+
+    Called by every rank of a failed agreement before it raises: by the
+    peers in :func:`raise_verdict`, by the rank at fault before it re-raises
+    its own error.
+    """
+    if _log.isEnabledFor(logging.DEBUG):
+        said = "; ".join(f"rank {r} rejected its arguments ({kind}: {message})" for r, kind, message in _failures(rows))
+        _log.debug("%s: %s; every rank raises, no data moved", op, said)
+
+
+def _mismatch(message: str) -> CollectiveMismatchError:
+    """The error for ranks whose calls do not match, logged at DEBUG first."""
+    _log.debug("%s", message)
+    return CollectiveMismatchError(message)
+
+
 def raise_verdict(rows: Rows, op: str, check_ops: bool = True) -> None:
     """Raise the verdict every rank reaches from the same rows (the caller has raised its own error first).
 
@@ -252,19 +289,16 @@ def raise_verdict(rows: Rows, op: str, check_ops: bool = True) -> None:
         CollectiveMismatchError: ranks called different collectives, or
             disagree on the root or the reduce op.
     """
-    failed = [r for r in range(rows.size) if rows.status(r) != 0]
-    if failed:
-        failures = []
-        for r in failed:
-            name, _, message = rows.inline(r).decode(errors="replace").partition("\n")
-            failures.append((r, name or "error", message))
+    failures = _failures(rows)
+    if failures:
+        log_rejections(rows, op)
         raise peer_error(op, failures)
     if not check_ops:
         return
     ops = {rows.op(r) for r in range(rows.size)}
     if len(ops) > 1:
         calls = ", ".join(f"rank {r}: {rows.op(r)}" for r in range(rows.size))
-        raise CollectiveMismatchError(
+        raise _mismatch(
             f"ranks called different collectives at the same point ({calls}); "
             "every rank must call the same collectives in the same order"
         )
@@ -285,7 +319,7 @@ def check_same(rows: Rows, get: Callable[[int], Any], *, what: str) -> None:
     values = {r: get(r) for r in range(rows.size)}
     if len(set(map(repr, values.values()))) > 1:
         shown = ", ".join(f"rank {r}: {show(v)}" for r, v in values.items())
-        raise CollectiveMismatchError(f"{rows.op(0)}: ranks disagree on the {what} ({shown})")
+        raise _mismatch(f"{rows.op(0)}: ranks disagree on the {what} ({shown})")
 
 
 def check_tensor_rows(rows: Rows) -> None:
@@ -299,7 +333,7 @@ def check_all_to_all_rows(rows: Rows) -> None:
     for r in range(rows.size):
         expected = [rows.splits_a(s)[r] for s in range(rows.size)]
         if rows.count(r) and rows.splits_b(r) != expected:
-            raise CollectiveMismatchError(
+            raise _mismatch(
                 f"all_to_all_single: rank {r} expects to receive {rows.splits_b(r)} rows "
                 f"but the ranks send it {expected}"
             )

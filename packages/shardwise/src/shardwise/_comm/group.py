@@ -49,6 +49,7 @@ from shardwise._comm.agreement import (
     failed_call,
     inline_capacity,
     labelled,
+    log_rejections,
     raise_verdict,
 )
 from shardwise._comm.checks import (
@@ -255,7 +256,24 @@ class Group(abc.ABC):
         return dtype
 
     def destroy(self) -> None:  # noqa: B027 - backends without resources need not override it
-        """Release the backend's resources; the group is unusable afterwards."""
+        """Release the backend's resources; the group is unusable afterwards.
+
+        Every rank calls it after its last collective; it may wait for the
+        other ranks (a barrier) so none tears down connections a peer still uses.
+        """
+
+    def destroy_local(self) -> None:
+        """Release this rank's resources without waiting for or talking to the other ranks.
+
+        What a process that ends without :meth:`destroy` gets at exit (see
+        :func:`shardwise.init`): its peers may have failed, be blocked in
+        another collective, or still be working, so waiting for them could
+        hang until the timeout. This rank's own unfinished work may complete
+        first. The group is unusable afterwards. The default calls
+        :meth:`destroy`; a backend whose :meth:`destroy` communicates (a
+        barrier) overrides this.
+        """
+        self.destroy()
 
     # -- direct paths a backend may offer --------------------------------------
     # Each gets a call whose arguments are checked and (when verifying) agreed
@@ -347,6 +365,7 @@ class Group(abc.ABC):
             self._all_gather(table, mine, [width] * self.size)
         rows = Rows(table.view(self.size, width).tolist(), self.size)
         if error is not None:
+            log_rejections(rows, name)  # as the peers do in raise_verdict
             try:
                 raise error
             finally:
@@ -466,7 +485,7 @@ class Group(abc.ABC):
             op: The API call being rejected; see :meth:`agree`.
 
         Raises:
-            The given ``error`` on this rank (always).
+            Exception: The given ``error``, on this rank (always).
         """
         if not isinstance(error, AGREED_ERRORS):
             kinds = ", ".join(kind.__name__ for kind in AGREED_ERRORS[:-1]) + f" or {AGREED_ERRORS[-1].__name__}"

@@ -86,6 +86,11 @@ def _peer_failures(name: str) -> Callable[[_Primitive], _Primitive]:
     return wrap
 
 
+# Every live TorchGroup that made its process group; destroying torch's default
+# group destroys them all, so its owner releases them too (TorchGroup.destroy_local).
+_owning: weakref.WeakSet[TorchGroup] = weakref.WeakSet()
+
+
 class TorchGroup(Group):
     """Adapter from a ``torch.distributed.ProcessGroup`` to :class:`~shardwise.Group`.
 
@@ -122,8 +127,26 @@ class TorchGroup(Group):
             # Placements name global ranks; the world group needs no translation table.
             ranks=None if pg is dist.group.WORLD else dist.get_process_group_ranks(pg),
         )
-        self.pg = pg
+        self._pg: Optional[dist.ProcessGroup] = pg
         self._owns = owns
+        if owns is not None:
+            _owning.add(self)
+
+    @property
+    def pg(self) -> dist.ProcessGroup:
+        """The torch process group.
+
+        Raises:
+            LaunchError: the group was destroyed (it no longer holds one).
+        """
+        pg = self._pg
+        if pg is None:
+            raise LaunchError(
+                f"rank {self.rank} of {self.size}: this {self.backend} group was destroyed (by "
+                "shardwise.destroy(), destroy() on it, or at interpreter exit) and cannot run collectives; "
+                "call shardwise.init() again for a new default group"
+            )
+        return pg
 
     def _reduction_dtype(self, dtype: torch.dtype) -> torch.dtype:
         if dtype == torch.uint64:
@@ -189,19 +212,47 @@ class TorchGroup(Group):
         return TorchGroup(sub, device=self._device, owns="group", verify=self.verify)
 
     def destroy(self) -> None:
-        # A gloo process group freed by the garbage collector during
-        # interpreter exit aborts the process ("terminate called without an
-        # active exception"); collect stray cycles while torch is whole.
-        gc.collect()
+        """Wait for every rank, then release the process group (if this group made it).
+
+        The barrier keeps a rank from tearing its connections down while a
+        peer still uses them.
+        """
         if self._owns is not None:
-            # Tearing gloo down while a peer still finishes its last
-            # collective aborts that peer's process at exit; wait for all.
             self._barrier()
-        if self._owns == "default" and dist.is_initialized():
-            dist.destroy_process_group()
-        elif self._owns == "group":
+        self.destroy_local()
+
+    def destroy_local(self) -> None:
+        """Release the process group (if this group made it) without waiting for the other ranks.
+
+        torch's ``destroy_process_group``, with no barrier before it. Only a
+        collective this rank still has in flight (an ``async_op`` never
+        waited for, one a Ctrl-C interrupted) ends first: when its peers
+        complete it, or fail, or at the timeout.
+        """
+        # Cycles may still hold finished collectives' tensors; free them while torch is whole.
+        gc.collect()
+        owns, self._owns = self._owns, None
+        _owning.discard(self)
+        if owns == "default":
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            # torch destroyed every process group with its default one, so the
+            # subgroups shardwise made let go of theirs as well.
+            for group in list(_owning):
+                group._owns = None
+                group._pg = None
+            _owning.clear()
+        elif owns == "group":
             dist.destroy_process_group(self.pg)
-        self._owns = None
+        if owns is not None:
+            # Dropping the last reference deletes the C++ process group, which
+            # (with the GIL released) joins gloo's worker threads. Left running,
+            # a worker may still be handing back a finished collective when the
+            # interpreter finalizes: that needs the GIL (to free the tensors or
+            # autograd context the work holds), Python ends the thread instead,
+            # and the process aborts with "terminate called without an active
+            # exception" (SIGABRT). A process group the user also holds lives on.
+            self._pg = None
 
 
 def init_torch_process_group(

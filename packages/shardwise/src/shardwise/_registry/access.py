@@ -35,6 +35,7 @@ __all__ = [
     "list_launchers",
     "list_plugins",
     "list_sharded_ops",
+    "list_sharded_ops_with_plugins",
     "plugin_for_backend",
     "register",
     "reset",
@@ -146,10 +147,19 @@ def find_op_or_none(op: Any, spec: Any) -> Optional[ShardedOp]:
 
 def list_sharded_ops() -> list[ShardedOp]:
     """Every registered sharded op, sorted by op name then spec name."""
-    records = [
-        record for by_spec in _registry.get_registry().ops.values() for record, _ in by_spec.values()
-    ]
-    return sorted(records, key=lambda r: (r.op_name, r.spec.__name__))
+    return [record for record, _ in list_sharded_ops_with_plugins()]
+
+
+def list_sharded_ops_with_plugins() -> list[tuple[ShardedOp, str]]:
+    """Every registered sharded op with the name of the plugin that provides it.
+
+    Returns:
+        ``(record, plugin name)`` pairs in :func:`list_sharded_ops`' order;
+        the name is the one ``shardwise info`` lists and
+        ``SHARDWISE_BLOCKED_PLUGINS`` takes.
+    """
+    pairs = [pair for by_spec in _registry.get_registry().ops.values() for pair in by_spec.values()]
+    return sorted(pairs, key=lambda pair: (pair[0].op_name, pair[0].spec.__name__, pair[0].override))
 
 
 def list_launchers() -> list[Launcher]:

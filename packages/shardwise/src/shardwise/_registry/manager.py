@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import logging
 import os
 import threading
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ import pluggy
 
 from shardwise import hookspecs
 from shardwise._registry.records import Backend, Launcher, ShardedOp, qualified_name
+from shardwise._vocab.logs import configure_logging
 from shardwise.errors import BackendNotFoundError, OpNotFoundError, PluginError
 
 ENTRY_POINT_GROUP = "shardwise"
@@ -41,12 +43,20 @@ KNOWN_BACKEND_DISTRIBUTIONS: Mapping[str, str] = {
     "nccl": "shardwise-nccl",
     "mpi": "shardwise-mpi[mpich]",
 }
+#: Which distribution provides the sharded implementation of a torch function the core lacks (by
+#: qualified name): the install hint of OpNotFoundError. The one list of it: each plugin's tests check
+#: that the plugin registers exactly the ops attributed to it here
+#: (plugins/shardwise-embedding/tests/test_install_hints.py).
 KNOWN_OP_DISTRIBUTIONS: Mapping[str, str] = {
     "torch.nn.functional.embedding": "shardwise-embedding",
     "torch.nn.functional.embedding_bag": "shardwise-embedding",
+    "torch.nn.functional.log_softmax": "shardwise-embedding",
+    "torch.nn.functional.softmax": "shardwise-embedding",
 }
 
 _T = TypeVar("_T")
+
+_log = logging.getLogger("shardwise.plugins")
 
 
 @dataclass(frozen=True)
@@ -321,7 +331,24 @@ def create_registry(environ: Optional[Mapping[str, str]] = None) -> Registry:
         pm.check_pending()
     except pluggy.PluginValidationError as exc:
         raise PluginError(f"a plugin implements a hook shardwise does not define: {exc}") from exc
+    if _log.isEnabledFor(logging.DEBUG):
+        _log.debug("%s", _describe(registry, env))
     return registry
+
+
+def _describe(registry: Registry, env: Mapping[str, str]) -> str:
+    """One line naming the plugins ``registry`` loaded, and the settings that left others out."""
+    names = []
+    for info in registry.plugin_infos():
+        source = " ".join(part for part in (info.distribution, info.version) if part)
+        names.append(f"{info.name} ({source})" if source else info.name)
+    loaded = ", ".join(names)
+    line = f"plugin manager built: {loaded or 'no plugins'}"
+    if registry.blocked:
+        line += f"; blocked ({BLOCKED_ENV}): {', '.join(registry.blocked)}"
+    if _truthy(env.get(AUTOLOAD_ENV)):
+        line += f"; entry points not loaded ({AUTOLOAD_ENV})"
+    return line
 
 
 _current: Optional[Registry] = None
@@ -329,12 +356,21 @@ _current_lock = threading.Lock()
 
 
 def get_registry() -> Registry:
-    """The process-wide registry, built on first use."""
+    """The process-wide registry, built on first use.
+
+    Building it is shardwise's first use in a process, so it also applies
+    ``SHARDWISE_LOGS`` (:func:`~shardwise._vocab.logs.configure_logging`).
+
+    Raises:
+        ValueError: ``SHARDWISE_LOGS`` is malformed.
+        PluginError: see :func:`create_registry`.
+    """
     global _current
     registry = _current
     if registry is None:
         with _current_lock:
             if _current is None:
+                configure_logging()
                 _current = create_registry()
             registry = _current
     return registry

@@ -1,4 +1,11 @@
-"""``shardwise info``: what is installed, what can run here, which ops exist."""
+"""The ``shardwise`` command line: ``shardwise info`` and ``shardwise --version``.
+
+``shardwise info`` says what is installed, what can run here and which
+sharded ops exist, grouped by the plugin that provides them. Its default
+output fits a screen; ``--all`` lists every op with its spec and plugin, and
+``--json`` gives everything as data. This is the one module of the core that
+writes to stdout and stderr: it is the command line.
+"""
 
 from __future__ import annotations
 
@@ -10,17 +17,52 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from shardwise._comm import buffers
 from shardwise._registry import access as plugins
 from shardwise._registry.records import qualified_name
 from shardwise._vocab.version import __version__
 from shardwise.errors import ShardwiseError
 
-__all__ = ["collect", "main", "render"]
+__all__ = ["collect", "is_internal", "main", "render", "version_line"]
+
+#: The variable that sizes the freed-buffer cache (read by ``shardwise._comm.buffers.cache_limit``).
+CACHE_ENV = "SHARDWISE_BUFFER_CACHE_MB"
+
+#: The list of op names on a line of the default op summary is cut to this many characters. A fixed budget
+#: (not the line's remaining width) keeps each plugin's lines the same whatever other plugins are installed.
+NAMES_WIDTH = 64
+
+_INTERNAL_NOTE = "dunder methods, attribute accessors, private names (--all lists them)"
+
+
+def version_line() -> str:
+    """``shardwise X (torch Y, python Z)``: what ``--version`` prints and ``info`` starts with."""
+    return f"shardwise {__version__} (torch {torch.__version__}, python {platform.python_version()})"
+
+
+def _buffer_cache() -> dict[str, Any]:
+    try:
+        limit: Optional[int] = buffers.cache_limit()
+        error = ""
+    except ValueError as exc:  # a malformed SHARDWISE_BUFFER_CACHE_MB: info reports it instead of failing
+        limit, error = None, str(exc)
+    return {"held_bytes": buffers.cached_bytes(), "limit_bytes": limit, "env": CACHE_ENV, "error": error}
 
 
 def collect() -> dict[str, Any]:
-    """Everything ``shardwise info`` shows, as JSON-safe data."""
-    registry_plugins = plugins.list_plugins()
+    """Everything ``shardwise info`` shows, as JSON-safe data.
+
+    Returns:
+        A dict with the versions (``shardwise``, ``torch``, ``python``),
+        ``plugins``, ``backends`` (with availability and the reason when
+        unavailable), ``launchers``, ``buffer_cache`` (bytes held, limit,
+        the variable that sets it) and ``sharded_ops`` (each op with its
+        spec, description, providing ``plugin`` and ``override`` flag).
+
+    Raises:
+        PluginError: a plugin fails to load or two plugins register the same
+            name, backend or op.
+    """
     backends = []
     for backend in plugins.list_backends():
         availability = plugins.availability(backend)
@@ -41,16 +83,23 @@ def collect() -> dict[str, Any]:
         "python": platform.python_version(),
         "plugins": [
             {"name": p.name, "distribution": p.distribution, "version": p.version, "module": p.module}
-            for p in registry_plugins
+            for p in plugins.list_plugins()
         ],
         "backends": backends,
         "launchers": [
             {"name": launcher.name, "priority": launcher.priority, "description": launcher.description}
             for launcher in plugins.list_launchers()
         ],
+        "buffer_cache": _buffer_cache(),
         "sharded_ops": [
-            {"op": op.op_name, "spec": qualified_name(op.spec), "description": op.description}
-            for op in plugins.list_sharded_ops()
+            {
+                "op": op.op_name,
+                "spec": qualified_name(op.spec),
+                "description": op.description,
+                "plugin": plugin,
+                "override": op.override,
+            }
+            for op, plugin in plugins.list_sharded_ops_with_plugins()
         ],
     }
 
@@ -60,22 +109,118 @@ def _table(rows: Sequence[Sequence[str]], indent: str = "  ") -> list[str]:
     return [indent + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
 
 
-def render(info: dict[str, Any]) -> str:
-    """Plain-text form of :func:`collect`'s result."""
+def _mib(n: int) -> str:
+    return f"{n >> 20} MiB" if n % (1 << 20) == 0 else f"{n / (1 << 20):.1f} MiB"
+
+
+def _cache_line(cache: dict[str, Any]) -> str:
+    if cache["error"]:
+        return f"Buffer cache: {cache['error']}"
+    if not cache["limit_bytes"]:
+        return f"Buffer cache: off ({cache['env']}=0)"
+    return (
+        f"Buffer cache: {_mib(cache['held_bytes'])} held, limit {_mib(cache['limit_bytes'])} "
+        f"({cache['env']}; shardwise.empty_cache() frees it)"
+    )
+
+
+def is_internal(op_name: str) -> bool:
+    """Whether an op is a torch internal, listed only by ``--all``.
+
+    Dunder methods (``torch.Tensor.__reduce_ex__``), attribute accessors
+    (``torch.Tensor.shape.__get__``) and private names
+    (``torch._C._nn.gelu``): any dotted part starting with ``_``.
+    """
+    return any(part.startswith("_") for part in op_name.split("."))
+
+
+def _fold_inplace(names: Sequence[str]) -> list[str]:
+    """``add``, ``add_`` -> ``add(_)``: a method and its in-place twin read as one entry."""
+    present = set(names)
+    folded = []
+    for name in sorted(present):
+        if name.endswith("_") and name[:-1] in present:
+            continue
+        folded.append(f"{name}(_)" if f"{name}_" in present else name)
+    return folded
+
+
+def _cut(names: Sequence[str], width: int) -> str:
+    """``names`` joined by ``, `` in at most ``width`` characters, ending in ``, ...`` when some do not fit."""
+    text = ""
+    for i, name in enumerate(names):
+        candidate = f"{text}, {name}" if text else name
+        more = i < len(names) - 1
+        if len(candidate) + (5 if more else 0) > width:
+            return f"{text}, ..." if text else "..."
+        text = candidate
+    return text
+
+
+def _op_summary(info: dict[str, Any]) -> list[str]:
+    """Per providing plugin: its op count, then its public ops by namespace."""
+    by_plugin: dict[str, set[str]] = {}
+    for op in info["sharded_ops"]:
+        by_plugin.setdefault(op["plugin"], set()).add(op["op"])
+    order = [p["name"] for p in info["plugins"]]
+    order += sorted(set(by_plugin) - set(order))
+    blocks: list[tuple[str, list[tuple[str, str, str]]]] = []
+    for plugin in order:
+        names = by_plugin.get(plugin)
+        if not names:
+            continue
+        namespaces: dict[str, list[str]] = {}
+        internal = 0
+        for name in names:
+            if is_internal(name):
+                internal += 1
+                continue
+            namespace, _, short = name.rpartition(".")
+            namespaces.setdefault(namespace or "(top level)", []).append(short)
+        rows = [
+            (ns, str(len(shorts)), _cut(_fold_inplace(shorts), NAMES_WIDTH))
+            for ns, shorts in sorted(namespaces.items())
+        ]
+        if internal:
+            rows.append(("internal", str(internal), _INTERNAL_NOTE))
+        blocks.append((f"{plugin}: {len(names)} op{'' if len(names) == 1 else 's'}", rows))
+    # One column layout for every plugin's rows, so the blocks line up.
+    all_rows = [row for _, rows in blocks for row in rows]
+    ns_width = max((len(ns) for ns, _, _ in all_rows), default=0)
+    count_width = max((len(count) for _, count, _ in all_rows), default=0)
+    lines = []
+    for title, rows in blocks:
+        lines.append(f"  {title}")
+        for ns, count, text in rows:
+            lines.append(f"    {ns.ljust(ns_width)}  {count.rjust(count_width)}  {text}")
+    return lines
+
+
+def render(info: dict[str, Any], all_ops: bool = False) -> str:
+    """Plain-text form of :func:`collect`'s result.
+
+    Args:
+        info: What :func:`collect` returned.
+        all_ops: List every op with its spec and providing plugin instead of
+            the per-plugin summary (``shardwise info --all``).
+
+    Returns:
+        The text ``shardwise info`` prints, without a trailing newline.
+    """
     lines = [f"shardwise {info['shardwise']} (torch {info['torch']}, python {info['python']})", "", "Plugins:"]
     rows: list[tuple[str, ...]] = [("name", "distribution", "version", "module")]
     rows += [(p["name"], p["distribution"] or "-", p["version"] or "-", p["module"]) for p in info["plugins"]]
     lines += _table(rows)
     lines += ["", "Backends:"]
     if info["backends"]:
-        rows = [("name", "status", "devices", "distribution", "why")]
+        rows = [("name", "status", "devices", "plugin", "why")]
         for b in info["backends"]:
             rows.append(
                 (
                     b["name"],
                     "available" if b["available"] else "unavailable",
                     ",".join(b["devices"]),
-                    b["distribution"] or "-",
+                    b["plugin"],
                     b["reason"] if not b["available"] else b["description"],
                 )
             )
@@ -84,27 +229,62 @@ def render(info: dict[str, Any]) -> str:
         lines.append("  (none installed: `pip install shardwise-gloo`)")
     lines += ["", "Launchers (tried in this order):"]
     lines += _table([(entry["name"], entry["description"]) for entry in info["launchers"]])
-    lines += ["", "Sharded ops:"]
-    if info["sharded_ops"]:
-        lines += _table([("op", "spec")] + [(o["op"], o["spec"]) for o in info["sharded_ops"]])
+    lines += ["", _cache_line(info["buffer_cache"]), ""]
+    ops = info["sharded_ops"]
+    if not ops:
+        lines += ["Sharded ops:", "  (none registered)"]
+    elif all_ops:
+        lines.append(f"Sharded ops ({len(ops)} implementations):")
+        table = [("op", "spec", "plugin")]
+        table += [(o["op"], o["spec"], o["plugin"] + (" (override)" if o["override"] else "")) for o in ops]
+        lines += _table(table)
     else:
-        lines.append("  (none registered)")
+        lines.append("Sharded ops by providing plugin (each op with its spec and plugin: shardwise info --all):")
+        lines += _op_summary(info)
     return "\n".join(lines)
 
 
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="shardwise",
+        description="shardwise command line: what is installed and what can run here.",
+        epilog="Run `shardwise info` to list plugins, backends, launchers and sharded ops.",
+    )
+    parser.add_argument("--version", action="version", version=version_line())
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    info_parser = sub.add_parser(
+        "info",
+        help="list plugins, backends, launchers, the buffer cache and sharded ops",
+        description="List plugins, backends (with availability), launchers, the freed-buffer cache "
+        "and the sharded ops, grouped by the plugin that provides them.",
+    )
+    info_parser.add_argument("--all", action="store_true", help="list every op with its spec and providing plugin")
+    info_parser.add_argument("--json", action="store_true", help="print everything as JSON (always every op)")
+    return parser
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point of the ``shardwise`` console script and ``python -m shardwise``."""
-    parser = argparse.ArgumentParser(prog="shardwise", description="shardwise command line")
-    sub = parser.add_subparsers(dest="command")
-    info_parser = sub.add_parser("info", help="list plugins, backends, launchers and sharded ops")
-    info_parser.add_argument("--json", action="store_true", help="print JSON for machines")
+    """Entry point of the ``shardwise`` console script and ``python -m shardwise``.
+
+    Args:
+        argv: The arguments (default: ``sys.argv[1:]``).
+
+    Returns:
+        0; with no command it prints the help.
+
+    Raises:
+        SystemExit: ``--help`` / ``--version`` (status 0), a bad argument
+            (2), or a :class:`~shardwise.errors.ShardwiseError` such as a
+            plugin that fails to load (1, with the error's message).
+    """
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.command is None:
-        args.command, args.json = "info", False
+        parser.print_help()
+        return 0
     try:
         info = collect()
     except ShardwiseError as exc:
-        print(f"shardwise: {exc}", file=sys.stderr)
-        return 1
-    print(json.dumps(info, indent=2) if args.json else render(info))
+        parser.exit(1, f"{parser.prog}: error: {exc}\n")
+    sys.stdout.write((json.dumps(info, indent=2) if args.json else render(info, all_ops=args.all)) + "\n")
     return 0

@@ -27,7 +27,12 @@ def empty(
 ) -> ShardedTensor:
     """A ShardedTensor of ``size`` sharded by ``sharding_spec``, with uninitialised data.
 
-    No communication: every rank must pass the same spec and size.
+    Every rank must pass the same spec and size. No data moves; when the
+    spec puts a shard on a device other than the CPU, the ranks agree (one
+    small collective) that each can use the devices of its own shards, so
+    a rank without one (``cuda`` on a CPU-only host, ``cuda:3`` on a host
+    with 2 GPUs) raises and its peers raise PeerError, instead of one rank
+    failing alone.
 
     Args:
         sharding_spec: How to cut the tensor.
@@ -43,7 +48,10 @@ def empty(
     Raises:
         TypeError: ``size`` is not a sequence of ints.
         ValueError: ``size`` is negative, the spec cannot shard that size,
-            or it places a shard on a rank outside the group.
+            or it places a shard on a rank outside the group (on every
+            rank), or on a device its rank cannot use (a ``PlacementError``
+            on that rank; its peers raise
+            :class:`~shardwise.errors.PeerError`).
     """
     return ShardedTensor(
         sharding_spec,

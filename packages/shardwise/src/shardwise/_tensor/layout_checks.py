@@ -11,14 +11,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 from shardwise._comm.group import Group
 from shardwise._tensor.placements import validate_placements
-from shardwise._tensor.specs import ShardingSpec
-from shardwise._vocab.metadata import ShardedTensorMetadata
+from shardwise._tensor.specs import ChunkShardingSpec, EnumerableShardingSpec, ShardingSpec
+from shardwise._vocab.metadata import Placement, ShardedTensorMetadata
 
-__all__ = ["SAME_TENSOR", "build_target", "check_same", "layout_digest"]
+__all__ = ["SAME_TENSOR", "build_target", "check_same", "declared_placements", "layout_digest"]
 
 SAME_TENSOR = "every rank must call it on the same ShardedTensor (built with the same metadata)"
 
@@ -60,3 +60,19 @@ def build_target(spec: ShardingSpec, md: ShardedTensorMetadata, group: Group, ve
     except Exception as exc:
         raise ValueError(f"cannot {verb} a tensor of size {size} with {spec!r}: {exc}") from exc
     return target
+
+
+def declared_placements(spec: Any) -> Optional[list[Optional[Placement]]]:
+    """Every placement ``spec`` gives shards, known without the tensor's size; None when only its metadata says.
+
+    A chunk spec makes one shard per placement (trailing ones possibly
+    empty, but still made) and an enumerable spec one per listed shard, so
+    a rank can check its devices before it learns the size (``shard_tensor``'s
+    non-source ranks). A spec of another class, or one that builds its own
+    metadata, must be asked with a size.
+    """
+    if isinstance(spec, ChunkShardingSpec) and type(spec).build_metadata is ChunkShardingSpec.build_metadata:
+        return list(spec.placements)
+    if isinstance(spec, EnumerableShardingSpec) and type(spec).build_metadata is EnumerableShardingSpec.build_metadata:
+        return [shard.placement for shard in spec.shards]
+    return None

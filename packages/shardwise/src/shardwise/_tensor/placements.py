@@ -8,13 +8,22 @@ rank outside the group.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
-from shardwise._vocab.metadata import PlacementError, ShardMetadata
+from shardwise._vocab.metadata import Placement, PlacementError, ShardMetadata
 
-__all__ = ["check_no_rrefs", "flatten_size", "is_local", "local_device", "validate_placements"]
+__all__ = [
+    "agree_on_local_devices",
+    "check_local_devices",
+    "check_no_rrefs",
+    "flatten_size",
+    "is_local",
+    "local_device",
+    "off_cpu",
+    "validate_placements",
+]
 
 
 def flatten_size(size: Sequence[Any]) -> torch.Size:
@@ -81,6 +90,70 @@ def validate_placements(shards: Sequence[ShardMetadata], group: Any, *, need_ran
             f"shard {i} ({shard.describe()}) is placed on rank {rank}, but the group has {size} rank(s) ({where}): "
             f"Global rank {rank} does not exist in input process group: {members}"
         )
+
+
+def off_cpu(placements: Iterable[Optional[Placement]]) -> bool:
+    """Whether a placement that names a rank puts its shard on a device other than the CPU.
+
+    Only then can ranks disagree on whether the layout is usable (every
+    rank has a CPU), so only then must a verb that has nothing else to
+    agree on spend an agreement on :func:`check_local_devices`.
+    """
+    return any(p is not None and p.rank() is not None and p.device().type != "cpu" for p in placements)
+
+
+def check_local_devices(placements: Iterable[Optional[Placement]], group: Any) -> None:
+    """Raise unless this rank can use the device of every placement that names it.
+
+    Run inside the agreement of each verb that makes local shards on their
+    placements' devices (``shard_tensor``, ``reshard``, the creation
+    functions), so a rank without the device raises the
+    :class:`~shardwise._vocab.placement.PlacementError` and its peers
+    :class:`~shardwise.errors.PeerError` before any data moves, instead of
+    torch's ``Torch not compiled with CUDA enabled`` from the allocator
+    after the peers started sending.
+
+    Args:
+        placements: Placements (None and rankless ones are skipped: no rank
+            holds their data).
+        group: The tensor's group; on a rank outside it nothing is checked
+            (it holds no shard).
+
+    Raises:
+        PlacementError: a placement of this rank names a device it cannot
+            use (a ``ValueError``; see :func:`~shardwise._vocab.placement.unusable_reason`).
+    """
+    if group is None or not group.is_member:
+        return
+    checked: set[torch.device] = set()
+    for placement in placements:
+        if placement is None or placement.rank() != group.global_rank or placement.device() in checked:
+            continue
+        placement.check_usable()
+        checked.add(placement.device())
+
+
+def agree_on_local_devices(placements: Sequence[Optional[Placement]], group: Any, op: str) -> None:
+    """:func:`check_local_devices` on every rank at once: one agreement, when a ranked placement leaves the CPU.
+
+    For a verb that has nothing else to agree on before it allocates
+    (``ShardedTensor(...)`` and the creation functions). Every rank must
+    call it with the same placements, so that all of them agree or none
+    does; with CPU placements only, it does not communicate (every rank
+    has a CPU), as torch's creation functions do not.
+
+    Args:
+        placements: Every shard's placement.
+        group: The tensor's group (nothing happens on a rank outside it).
+        op: The call, named in the peers' :class:`~shardwise.errors.PeerError`.
+
+    Raises:
+        PlacementError: a placement of this rank names a device it cannot use.
+        PeerError: a placement of another rank does.
+    """
+    if group is None or not group.is_member or not off_cpu(placements):
+        return
+    group.agree(lambda: check_local_devices(placements, group), op=op)
 
 
 def is_local(shard: ShardMetadata, group: Any) -> bool:

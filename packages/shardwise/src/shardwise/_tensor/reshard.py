@@ -18,6 +18,7 @@ from shardwise._comm.group import Group
 from shardwise._layout.plan import MAX_ROUNDS
 from shardwise._layout.redistribute import match_sources, plan, redistribute
 from shardwise._tensor.layout_checks import SAME_TENSOR, build_target, check_same, layout_digest
+from shardwise._tensor.placements import check_local_devices
 from shardwise._tensor.specs import ShardingSpec
 from shardwise._vocab.metadata import ShardMetadata, ShardedTensorMetadata, TensorProperties
 from shardwise._vocab.shard import Shard
@@ -48,7 +49,9 @@ def reshard_shards(
         TypeError: ``spec`` is not a ShardingSpec (on that rank; peers raise
             :class:`~shardwise.errors.PeerError`).
         ValueError: ranks pass different specs, or the spec does not fit
-            the tensor's size or the group (on every rank).
+            the tensor's size or the group (on every rank); the spec places
+            a shard on a device its rank cannot use (on that rank; its peers
+            raise PeerError).
     """
     if not group.is_member:
         # Outside the group: no data here, only the new global metadata (torch holds no shard there either).
@@ -62,6 +65,8 @@ def reshard_shards(
             raise TypeError(f"reshard takes a ShardingSpec, got {type(spec).__name__}")
         mine: dict[str, Any] = {"spec": spec.to_dict(), "layout": layout_digest(old)}
         local["target"] = _in_rank_order(build_target(spec, old, group, "reshard"), old)
+        # Before any data moves: this rank's new shards must fit on devices it has.
+        check_local_devices((e.placement for e in local["target"].shards_metadata), group)
         local["have"] = match_sources(shards, old, group.global_rank)
         # Each rank's own need; the agreement makes every rank use the largest.
         local["plan"] = pl = plan(old, local["target"], group.rank, group.size, group.global_to_group())

@@ -1,6 +1,7 @@
 """``shard_tensor``: cut a whole tensor held by one rank into a :class:`~shardwise.ShardedTensor`.
 
-Each rank validates its arguments locally (a failing rank rejects the
+Each rank validates its arguments locally, including that it can use the
+devices the spec places its shards on (a failing rank rejects the
 agreement, so its peers raise PeerError instead of hanging), then the ranks
 exchange what they were asked to do (spec, ``src_rank``, the source
 tensor's size and properties) and stop with the same ValueError everywhere
@@ -19,7 +20,8 @@ import torch
 from shardwise._comm.default_group import resolve_group
 from shardwise._comm.group import Group
 from shardwise._layout.redistribute import redistribute
-from shardwise._tensor.layout_checks import build_target, check_same
+from shardwise._tensor.layout_checks import build_target, check_same, declared_placements
+from shardwise._tensor.placements import agree_on_local_devices, check_local_devices
 from shardwise._tensor.sharded_tensor import ShardedTensor
 from shardwise._tensor.specs import ShardingSpec
 from shardwise._vocab.metadata import ShardMetadata, ShardedTensorMetadata, TensorProperties
@@ -91,8 +93,10 @@ def shard_tensor(
         ValueError: ranks pass different specs or ``src_rank`` values; the
             spec cannot shard a tensor of that size or places a shard
             outside the group (all on every rank); ``src_rank`` is outside
-            the group or a rank's tensor is not contiguous (on that rank;
-            its peers raise :class:`~shardwise.errors.PeerError`).
+            the group, a rank's tensor is not contiguous, or the spec places
+            a shard on a device its rank cannot use, such as ``cuda`` on a
+            CPU-only host (on that rank; its peers raise
+            :class:`~shardwise.errors.PeerError`).
         TypeError: a rank passed something other than a tensor or a spec
             (on that rank; peers raise PeerError).
     """
@@ -115,9 +119,17 @@ def scatter_tensor(
     group = resolve_group(process_group)
     if not group.is_member:
         return _outside_group(tensor, sharding_spec, group)
-    entries = group.agree(
-        lambda: _local_payload(tensor, sharding_spec, src_rank, group), op="shard_tensor", gather=True
-    )
+
+    def check() -> dict[str, Any]:
+        payload = _local_payload(tensor, sharding_spec, src_rank, group)
+        # This rank's shards must fit on devices it has; a built-in spec says where they go without the size.
+        declared = declared_placements(sharding_spec)
+        if declared is not None:
+            check_local_devices(declared, group)
+        payload["devices_checked"] = declared is not None
+        return payload
+
+    entries = group.agree(check, op="shard_tensor", gather=True)
     check_same([e["src_rank"] for e in entries], "src_rank", "every rank must pass the same src_rank")
     check_same([e["spec"] for e in entries], "sharding spec", "every rank must pass the same spec")
     info = entries[src_rank]["tensor"]
@@ -129,6 +141,10 @@ def scatter_tensor(
         [ShardMetadata([0] * len(size), list(size), f"rank:{group.ranks[src_rank]}/{device}")], size, props
     )
     target = build_target(sharding_spec, whole, group, "shard")
+    if not all(e.get("devices_checked") is True for e in entries):
+        # A spec only its metadata places (a user's spec class): now that the size is known, a second
+        # agreement on the devices, decided from agreed data so every rank joins it or none.
+        agree_on_local_devices([e.placement for e in target.shards_metadata], group, "shard_tensor")
     mine = [Shard(tensor, whole.shards_metadata[0])] if group.rank == src_rank else []
     shards = redistribute(mine, whole, target, group, trusted=True)
     return ShardedTensor._create(sharding_spec, target, shards, group)

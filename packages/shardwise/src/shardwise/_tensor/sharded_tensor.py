@@ -14,6 +14,7 @@ from shardwise._tensor.from_shards import assemble_local_shards
 from shardwise._tensor.gather import all_gather_tensor, gather_to
 from shardwise._tensor.local_shards import match_local_shards, no_default_group, shards_without_group
 from shardwise._tensor.placements import (
+    agree_on_local_devices,
     check_no_rrefs,
     flatten_size,
     is_local,
@@ -116,17 +117,19 @@ class ShardedTensor(ShardedTensorBase):
     :func:`rand`, ...), :func:`~shardwise.shard_tensor`, or
     :func:`init_from_local_shards`.
 
-    Args:
-        sharding_spec: How to cut the tensor.
-        *size: The size of the whole tensor.
-        dtype: Element type (default ``torch.get_default_dtype()``).
-        layout: Only ``torch.strided``.
-        requires_grad: Whether local shards require grad.
-        pin_memory: Pin CPU shards.
-        memory_format: Only ``torch.contiguous_format``.
-        process_group: Group, torch ProcessGroup or None (default group).
-        init_rrefs: Accepted for torch compatibility; must be False (RPC is
-            not supported).
+    The constructor's arguments (taken by ``__new__``; a list rather than
+    an ``Args:`` section, which doc tools match against ``__init__``):
+
+    - ``sharding_spec``: How to cut the tensor.
+    - ``*size``: The size of the whole tensor.
+    - ``dtype``: Element type (default ``torch.get_default_dtype()``).
+    - ``layout``: Only ``torch.strided``.
+    - ``requires_grad``: Whether local shards require grad.
+    - ``pin_memory``: Pin CPU shards.
+    - ``memory_format``: Only ``torch.contiguous_format``.
+    - ``process_group``: Group, torch ProcessGroup or None (default group).
+    - ``init_rrefs``: Accepted for torch compatibility; must be False (RPC
+      is not supported).
     """
 
     _sharding_spec: ShardingSpec
@@ -171,6 +174,8 @@ class ShardedTensor(ShardedTensorBase):
         )
         metadata = sharding_spec.build_metadata(flatten_size(size), props)
         validate_placements(metadata.shards_metadata, group)
+        # Before any rank allocates: a rank without a shard's device raises, and its peers with it.
+        agree_on_local_devices([md.placement for md in metadata.shards_metadata], group, "ShardedTensor")
         local = []
         for shard_md in metadata.shards_metadata:
             assert shard_md.placement is not None
@@ -423,6 +428,8 @@ class ShardedTensor(ShardedTensorBase):
         of old and new shards, so each element crosses the wire at most once
         and no rank ever holds the whole tensor. Every rank calls it with
         the same spec (checked: a mismatch is a ValueError on every rank).
+        A rank lacking the device of one of its new shards raises a
+        ValueError naming it (its peers PeerError) before data moves.
         """
         metadata, shards = reshard_shards(self._local_shards, self._metadata, resharding_spec, self._process_group)
         # reshard_shards checked the spec (a TypeError on a rank that passed something else).

@@ -303,8 +303,7 @@ def _torch_process_group(group: Any, process_group: Any, what: str) -> Any:
             f"{what}: the tensor lives in a shardwise group of the {getattr(group, 'backend', '?')!r} backend "
             f"({type(group).__name__}), which has no torch ProcessGroup, and torch's ShardedTensor needs one; "
             "pass process_group= a torch.distributed ProcessGroup over the same processes in the same order "
-            "(for MPI: call shardwise_mpi.register_torch_backend(), then "
-            "torch.distributed.init_process_group('mpi4py'))"
+            "(for MPI: after shardwise.init() under mpiexec, process_group=torch.distributed.group.WORLD)"
         )
     if not isinstance(process_group, dist.ProcessGroup):
         raise TypeError(

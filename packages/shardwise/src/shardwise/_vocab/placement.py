@@ -8,17 +8,18 @@ import torch
 
 from shardwise.errors import ShardwiseError
 
-__all__ = ["Placement", "PlacementError", "PlacementTypeError"]
+__all__ = ["Placement", "PlacementError", "PlacementTypeError", "unusable_reason"]
 
 _PARSE_HINT = "The valid format is '<workername>/<device>' or 'rank:<rank>/<device>' or '<device>'"
 
 
 class PlacementError(ShardwiseError, ValueError, RuntimeError):
-    """A placement names a device torch does not know (``rank:0/cuda:x``, ``rank:0/foo``).
+    """A placement names a device torch does not know (``rank:0/cuda:x``, ``rank:0/foo``), or one its rank cannot use.
 
     Both a ``ValueError`` (what shardwise raised for every malformed
     placement) and a ``RuntimeError`` (what torch 2.13 raises for a bad
-    device string), so ``except`` clauses written for either keep working.
+    device string or a missing CUDA device ordinal), so ``except`` clauses
+    written for either keep working.
     """
 
 
@@ -34,6 +35,58 @@ def _parse_device(device: Any, spec: Any) -> torch.device:
         return torch.device(device)
     except RuntimeError as exc:
         raise PlacementError(f"invalid placement {spec!r}: {str(device)!r} is not a torch device: {exc}") from None
+
+
+def unusable_reason(device: torch.device) -> Optional[str]:
+    """Why this process cannot hold tensors on ``device``, or None when it can.
+
+    The one answer to "can this rank use device X" (every entry point that
+    makes local shards on a placement's device asks it before data moves):
+
+    * ``cpu`` and ``meta``: always;
+    * a type with a torch device module (``cuda``, ``xpu``, ``mps``,
+      ``mtia``, and backends that register one): when the module says it is
+      available and, for a device with an index, the index is below its
+      device count (``cuda`` alone means the current CUDA device);
+    * any other type (``hpu`` without its plugin, ``xla``, ``vulkan``, ...):
+      when torch can make an empty tensor on it here.
+
+    Args:
+        device: The device.
+
+    Returns:
+        None, or a sentence saying why (torch's own wording in parentheses
+        where torch has one).
+    """
+    kind = device.type
+    if kind in ("cpu", "meta"):
+        return None
+    try:
+        module: Any = torch.get_device_module(kind)
+    except RuntimeError:
+        module = None  # no torch.<type> module registered: ask torch to allocate instead
+    if module is None or not callable(getattr(module, "is_available", None)):
+        return _probe(device)
+    if not module.is_available():
+        if kind == "cuda" and not torch.backends.cuda.is_built():
+            return f"this torch ({torch.__version__}) was built without CUDA (Torch not compiled with CUDA enabled)"
+        return f"torch.{kind}.is_available() is False in this process (no {kind} device, driver or runtime is visible)"
+    count = module.device_count() if callable(getattr(module, "device_count", None)) else None
+    if device.index is not None and count is not None and device.index >= count:
+        seen = f"{kind}:0..{kind}:{count - 1}" if count else "none"
+        visible = " and CUDA_VISIBLE_DEVICES" if kind == "cuda" else ""
+        return f"this process sees {count} {kind} device(s) ({seen}); check the index{visible} (invalid device ordinal)"
+    return None
+
+
+def _probe(device: torch.device) -> Optional[str]:
+    """None when torch can make an (empty) tensor on ``device`` in this process, else why not."""
+    try:
+        torch.empty(0, device=device)
+    except Exception as exc:  # noqa: BLE001 - any failure means the device is unusable; its text is the reason
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return f"torch cannot make a tensor on {device} in this process ({type(exc).__name__}: {first})"
+    return None
 
 
 def _is_device(text: str) -> bool:
@@ -146,6 +199,25 @@ class Placement:
     def worker_name(self) -> Optional[str]:
         """The torch RPC worker name, for a ``WORKER/DEVICE`` placement (else None)."""
         return self._worker
+
+    def check_usable(self) -> None:
+        """Raise unless this process can hold tensors on this placement's device (see :func:`unusable_reason`).
+
+        Called on the rank the placement names, before any data moves to it.
+
+        Raises:
+            PlacementError: the device is unusable here (a ``ValueError``;
+                the message names the placement and the reason).
+        """
+        reason = unusable_reason(self._device)
+        if reason is None:
+            return
+        holder = f"rank {self._rank}" if self._rank is not None else "this rank"
+        alternative = f"'rank:{self._rank}/cpu'" if self._rank is not None else "'cpu'"
+        raise PlacementError(
+            f"placement '{self}' names device {self._device}, which {holder} cannot use: {reason}. Place the "
+            f"shard on a device {holder} has (e.g. {alternative}), or run on a host where {self._device} is available"
+        )
 
     def with_device(self, device: Union[str, torch.device]) -> Placement:
         """The same rank (or worker) on ``device``."""
