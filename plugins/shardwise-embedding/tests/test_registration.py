@@ -71,12 +71,13 @@ def test_info_json_lists_both_ops_with_the_distribution() -> None:
 
 
 def test_info_text_lists_both_ops(capsys: pytest.CaptureFixture[str]) -> None:
-    assert info_main(["info"]) == 0
+    # The full op table (`info --all`): op, spec, providing plugin.
+    assert info_main(["info", "--all"]) == 0
     out = capsys.readouterr().out
     assert "shardwise-embedding" in out
     lines = [line.split() for line in out.splitlines()]
     for name in OPS.values():
-        assert [name, SPEC_NAME] in lines, out
+        assert [name, SPEC_NAME, "embedding"] in lines, out
 
 
 def test_import_registers_nothing_in_process() -> None:

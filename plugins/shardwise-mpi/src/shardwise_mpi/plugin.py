@@ -149,12 +149,15 @@ def create_group(launch: LaunchInfo, timeout: timedelta) -> Group:
             f"{launch.launcher} launch says rank {launch.rank} of {launch.world_size}; start the job "
             "with mpiexec/mpirun/srun --mpi to use the mpi backend, or choose another backend"
         )
-    if world.Get_size() > 1:
-        install_abort_hook()
     # Imports mpi4py.MPI: only once MPI is initialised with the thread level above.
     from shardwise_mpi._group import MpiGroup
 
     torch_group = _init_torch_default_group(MPI, world, timeout)
+    if world.Get_size() > 1:
+        # After torch's init_process_group, which puts a hook in front of sys.excepthook that
+        # buffers the traceback to prefix "[rankN]" and prints it only when the hook it wraps
+        # returns: wrapped by it, MPI_Abort would end the process with the traceback unprinted.
+        install_abort_hook()
     try:
         # A duplicate keeps shardwise's messages apart from the user's own MPI calls on COMM_WORLD.
         return MpiGroup(world.Dup(), owns_comm=True, timeout=timeout, torch_default_group=torch_group)
