@@ -22,8 +22,10 @@ from conftest import RANK_ENV
 TEST_BACKEND = os.environ.get("SHARDWISE_TEST_BACKEND", "test-gloo")
 
 #: Whether ranks also have a torch process group, which comparisons with
-#: torch 2.13's ``_shard`` need (the MPI backend has none).
-HAS_TORCH_PG = TEST_BACKEND == "test-gloo"
+#: torch 2.13's ``_shard`` need. The test gloo backend has one, and the MPI
+#: backend initialises torch.distributed over mpi4py (``SHARDWISE_MPI_TORCH_DIST``
+#: is left at its default, on); a spawned backend of another kind has none.
+HAS_TORCH_PG = TEST_BACKEND in ("test-gloo", "mpi")
 
 
 def run(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
