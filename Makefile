@@ -24,7 +24,7 @@ STAMP := $(VENV)/.install-stamp
 LINT_PATHS := packages plugins integration_tests benchmarks examples
 MYPY_PATHS := packages/shardwise/src/shardwise $(wildcard plugins/*/src)
 
-.PHONY: install test lint docs demo bench bench-mpi bench-embedding bench-validation clean distclean
+.PHONY: install system-deps test lint docs demo bench bench-mpi bench-embedding bench-validation clean distclean
 
 install: $(STAMP)
 
@@ -34,6 +34,11 @@ $(BIN)/python:
 $(STAMP): $(BIN)/python $(INSTALL_INPUTS)
 	$(PIP) install -c constraints.txt $(DISTS) $(DEV_TOOLS)
 	touch $@
+
+# Debian packages some tox envs need (Open MPI for integration-openmpi), installed
+# with apt-get where missing; needs root. .ci/run calls it before `make test`.
+system-deps:
+	.ci/system-packages.sh
 
 # The whole tox matrix, one env after another: the tests start several
 # processes per test, so running envs in parallel on a small machine only

@@ -20,26 +20,16 @@ from typing import Sequence
 
 import pytest
 
+from shardwise.testing import launcher_free_env
+
 PROGRAMS = Path(__file__).parent / "programs"
 
 #: Seconds a whole torchrun job may take (two ranks importing torch on a
 #: small machine need a while); below pytest's own --timeout.
 JOB_TIMEOUT = 240
 
-# Variables a surrounding launcher (or a developer's shell) may have set;
-# they would change what the launched ranks think their job is.
-_LAUNCH_VARS = frozenset(
-    {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT"}
-)
-_LAUNCH_PREFIXES = ("TORCHELASTIC_", "OMPI_", "PMI_", "PMIX_", "SLURM_", "HYDRA_", "I_MPI_", "SHARDWISE_")
-
-
 def _environment(**extra: str) -> dict[str, str]:
-    env = {
-        name: value
-        for name, value in os.environ.items()
-        if name not in _LAUNCH_VARS and not name.startswith(_LAUNCH_PREFIXES)
-    }
+    env = launcher_free_env()
     env["CUDA_VISIBLE_DEVICES"] = ""  # CPU only: the automatic choice must be gloo
     env["SHARDWISE_TIMEOUT"] = "60"  # a lost peer becomes an error within a minute
     env.setdefault("OMP_NUM_THREADS", "1")

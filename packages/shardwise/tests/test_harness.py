@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 import shardwise
-from shardwise.testing import RankError, current_rank_dir, run_ranks
+from shardwise.testing import RankError, current_rank_dir, launcher_free_env, mpiexec_kind, run_ranks
 
 from conftest import RANK_ENV
 
@@ -126,3 +127,44 @@ def test_mpiexec_launcher_starts_every_rank() -> None:
 def test_unknown_launcher_is_refused() -> None:
     with pytest.raises(ValueError, match="launcher must be 'spawn', 'torchrun' or 'mpiexec'"):
         run_ranks(_mpi_rank_and_size, 1, launcher="srun")
+
+
+def test_launcher_free_env_keeps_settings_and_drops_what_a_launcher_set() -> None:
+    source = {
+        "PATH": "/bin",
+        "RANK": "1",
+        "MASTER_ADDR": "h",
+        "OMPI_COMM_WORLD_RANK": "0",
+        "PMI_FD": "9",
+        "SLURM_PROCID": "0",
+        "SHARDWISE_BACKEND": "mpi",
+        "MPI_LOCALRANKID": "0",
+        "OMPI_MCA_rmaps_base_oversubscribe": "1",
+        "OMPI_ALLOW_RUN_AS_ROOT": "1",
+        "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+    }
+    assert launcher_free_env(source, EXTRA="x") == {
+        "PATH": "/bin",
+        "OMPI_MCA_rmaps_base_oversubscribe": "1",
+        "OMPI_ALLOW_RUN_AS_ROOT": "1",
+        "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+        "EXTRA": "x",
+    }
+
+
+@pytest.mark.parametrize(
+    ("says", "kind"),
+    [
+        ("mpirun (Open MPI) 4.1.4", "openmpi"),
+        ("mpirun.openmpi (OpenRTE) 4.1.4", "openmpi"),
+        ("HYDRA build details:\n    Version: 4.3.0", "mpich"),
+        ("Intel(R) MPI Library for Linux* OS, Version 2021.10", "mpich"),
+        ("something else entirely", "unknown"),
+    ],
+)
+def test_mpiexec_kind_reads_the_version_banner(tmp_path: Path, says: str, kind: str) -> None:
+    fake = tmp_path / f"mpiexec-{kind}-{abs(hash(says))}"
+    fake.write_text(f"#!/bin/sh\ncat <<'END'\n{says}\nEND\n")
+    fake.chmod(0o755)
+    assert mpiexec_kind(str(fake)) == kind
+    assert mpiexec_kind(str(tmp_path / "missing")) == "unknown"

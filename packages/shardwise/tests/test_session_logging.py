@@ -5,7 +5,9 @@ or by ``SHARDWISE_BACKEND``, or chosen automatically (preferred under the
 launcher's family, or the highest priority), with the launcher, its family,
 the rank, the available backends and why each other one is unavailable.
 ``destroy`` and the exit handler say what they tear down. Nothing is logged
-above DEBUG.
+above DEBUG, except a WARNING when the automatic choice passes over the
+backend preferred under the launcher's family because it cannot run (the
+fallback's own errors would hide why).
 """
 
 from __future__ import annotations
@@ -78,6 +80,27 @@ def test_automatic_choice_preferred_under_the_launchers_family(caplog: pytest.Lo
         "preferred under launcher family 'single'; available backends: "
     ), line
     assert "home (priority -5)" in line and "test-gloo (priority 0)" in line, line
+
+
+def test_a_preferred_backend_that_cannot_run_is_a_warning_naming_its_reason(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    stranded = Backend(
+        name="home",
+        is_available=lambda: Availability(False, "no library of the launcher's kind"),
+        create_group=core_test_backend._create,
+        preferred_under=("single",),
+    )
+    plugins.register(_Backends(stranded), name="home")
+    caplog.set_level(logging.WARNING, logger=LOGGER)
+    assert shardwise.init(environ={}).backend == "gloo"
+    assert [(r.levelname, r.getMessage()) for r in caplog.records if r.name == LOGGER] == [
+        (
+            "WARNING",
+            "shardwise: the single launcher's own backend was passed over, so 'test-gloo' is used instead: "
+            "backend 'home' cannot run here: no library of the launcher's kind",
+        )
+    ]
 
 
 def test_a_named_backend_says_who_named_it(caplog: pytest.LogCaptureFixture) -> None:

@@ -9,20 +9,13 @@ path with the same result.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Any, Callable
 
-import pytest
 import torch
+from mpi_launch import needs_mpiexec
 
 import shardwise
 from shardwise.testing import run_ranks
-
-MPIEXEC = Path(sys.executable).parent / "mpiexec"
-needs_mpiexec = pytest.mark.skipif(
-    not MPIEXEC.exists(), reason="no mpiexec beside this Python; install shardwise-mpi[mpich]"
-)
 
 _PRIMITIVES = ("_broadcast", "_all_reduce", "_all_gather", "_reduce_scatter", "_all_to_all")
 

@@ -8,20 +8,17 @@ land on those world ranks and the data moves right.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
+from mpi_launch import needs_mpiexec
 
 import shardwise
 from shardwise import sharded_tensor
 from shardwise.sharding_spec import ChunkShardingSpec
 from shardwise.testing import run_ranks
 
-MPIEXEC = Path(sys.executable).parent / "mpiexec"
-pytestmark = pytest.mark.skipif(not MPIEXEC.exists(), reason="no mpiexec beside this Python")
+pytestmark = needs_mpiexec
 
 
 def _subgroups() -> dict[str, Any]:

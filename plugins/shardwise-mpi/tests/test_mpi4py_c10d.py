@@ -7,7 +7,6 @@ On failure the test shows every rank's stdout and stderr.
 
 from __future__ import annotations
 
-import os
 import re
 import socket
 import subprocess
@@ -15,52 +14,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from mpi_launch import KIND, MPIEXEC, needs_mpiexec, run, show
 
 PROGRAMS = Path(__file__).parent / "programs_c10d"
-MPIEXEC = Path(sys.executable).parent / "mpiexec"
-needs_mpiexec = pytest.mark.skipif(
-    not MPIEXEC.exists(), reason="no mpiexec beside this Python; install shardwise-mpi[mpich]"
-)
 pytest.importorskip("mpi4py")
 
-# Launcher and rendezvous variables: the programs must run without any of them.
-_DROP = (
-    "PMI_",
-    "PMIX_",
-    "OMPI_",
-    "MPI_LOCALNRANKS",
-    "HYDRA_",
-    "SLURM_",
-    "SHARDWISE_",
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "MASTER_",
-    "TORCHELASTIC_",
-    "TORCH_DIST",
-)
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_DROP)}
-    env["PYTHONWARNINGS"] = "ignore::FutureWarning"  # torch 2.13 deprecation noise in the logs
-    env.update(extra)
-    return env
-
-
-def _run(cmd: list[str], timeout: float, **extra: str) -> subprocess.CompletedProcess[str]:
-    try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(**extra), check=False)
-    except subprocess.TimeoutExpired as exc:
-        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        err = exc.stderr.decode() if isinstance(exc.stderr, bytes) else (exc.stderr or "")
-        pytest.fail(f"{' '.join(cmd)} did not finish within {timeout}s\n--- stdout ---\n{out}\n--- stderr ---\n{err}")
-
-
-def _show(proc: subprocess.CompletedProcess[str]) -> str:
-    return (
-        f"exit {proc.returncode}\n--- stdout (all ranks) ---\n{proc.stdout}\n--- stderr (all ranks) ---\n{proc.stderr}"
-    )
+_run, _show = run, show
 
 
 def _ok_ranks(proc: subprocess.CompletedProcess[str]) -> dict[int, int]:
@@ -147,4 +106,6 @@ def test_a_frozen_rank_is_reported_and_the_job_aborted_after_the_group_timeout()
     )
     assert found, _show(proc)
     assert 4 <= float(found.group(2)) < 10, found.group(0)
-    assert "finished although rank 1 froze" not in proc.stdout, _show(proc)
+    if KIND != "openmpi":
+        # Open MPI's MPI_Abort sends SIGCONT before SIGTERM: the frozen rank may wake and finish in the last moment.
+        assert "finished although rank 1 froze" not in proc.stdout, _show(proc)

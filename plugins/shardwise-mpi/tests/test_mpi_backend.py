@@ -2,54 +2,17 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 import shardwise_mpi.plugin as plugin
+from mpi_launch import MPIEXEC, needs_mpiexec
+from mpi_launch import run as _run
+from mpi_launch import show as _show
 
 PROGRAMS = Path(__file__).parent / "programs"
-MPIEXEC = Path(sys.executable).parent / "mpiexec"
-needs_mpiexec = pytest.mark.skipif(
-    not MPIEXEC.exists(), reason="no mpiexec beside this Python; install shardwise-mpi[mpich]"
-)
-
-
-def _env() -> dict[str, str]:
-    """The environment without any launcher's variables (so a plain process is a world of one)."""
-    drop = (
-        "PMI_",
-        "PMIX_",
-        "OMPI_",
-        "MPI_LOCALNRANKS",
-        "HYDRA_",
-        "SLURM_",
-        "SHARDWISE_",
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "MASTER_",
-        "TORCHELASTIC_",
-    )
-    return {k: v for k, v in os.environ.items() if not k.startswith(drop)}
-
-
-def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
-    try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), check=False)
-    except subprocess.TimeoutExpired as exc:
-        out = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        err = (exc.stderr or b"").decode() if isinstance(exc.stderr, bytes) else (exc.stderr or "")
-        pytest.fail(f"{' '.join(cmd)} did not finish within {timeout}s\n--- stdout ---\n{out}\n--- stderr ---\n{err}")
-
-
-def _show(proc: subprocess.CompletedProcess[str]) -> str:
-    return (
-        f"exit {proc.returncode}\n--- stdout (all ranks) ---\n{proc.stdout}\n--- stderr (all ranks) ---\n{proc.stderr}"
-    )
 
 
 @needs_mpiexec

@@ -17,6 +17,7 @@ import sys
 import textwrap
 
 import pytest
+from mpi_launch import needs_hydra
 from test_mpi4py_c10d import MPIEXEC, PROGRAMS, _run, _show, needs_mpiexec
 
 PROGRAM = PROGRAMS / "shardwise_init_torch_dist.py"
@@ -66,6 +67,7 @@ def _raised(proc: subprocess.CompletedProcess[str], n: int = 2) -> dict[int, str
 
 
 @needs_mpiexec
+@needs_hydra  # two programs in one job, each with its own -env: Hydra's syntax
 def test_ranks_that_disagree_on_the_setting_all_raise() -> None:
     # Rank 0 opts out, rank 1 does not: neither may start a rendezvous the other never joins.
     py, program = sys.executable, str(PROGRAM)

@@ -65,6 +65,7 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from shardwise_mpi._libmpi import ensure_matching_library
 from shardwise_mpi._watchdog import Watchdog
 
 __all__ = ["BACKEND_NAME", "MpiProcessGroup", "register"]
@@ -92,6 +93,8 @@ _register_lock = threading.Lock()
 
 def _mpi() -> Any:
     """``mpi4py.MPI``, imported on first use; the error says how to install it."""
+    # Before mpi4py loads an MPI library: one that can talk to the launcher (raises LaunchError if none).
+    ensure_matching_library()
     try:
         from mpi4py import MPI
     except ImportError as exc:  # pragma: no cover - depends on the environment

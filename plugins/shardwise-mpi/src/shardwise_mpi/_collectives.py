@@ -64,9 +64,13 @@ import functools
 from typing import Any, Callable, Optional, Sequence
 
 import torch
-from mpi4py import MPI
 
 from shardwise import sdk
+from shardwise_mpi._libmpi import ensure_matching_library
+
+# mpi4py keeps the first MPI library it loads: choose the launcher's kind first.
+ensure_matching_library()
+from mpi4py import MPI  # noqa: E402
 
 __all__ = [
     "allgatherv",

@@ -26,11 +26,13 @@ from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-from mpi4py import MPI
 
 from shardwise.sdk import DEFAULT_TIMEOUT, REDUCE_OPS, Group, empty_like
 from shardwise_mpi import _collectives as C
 from shardwise_mpi._watchdog import Watchdog
+
+# After _collectives, which has chosen the MPI library that mpi4py loads.
+from mpi4py import MPI  # noqa: E402  # isort: skip
 
 # The core hands the direct paths a reduce op already normalised to one of
 # the SDK's names; those MPI reduces natively. Should the vocabulary grow,

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from shardwise import Availability, Backend, Group, LaunchInfo, hookimpl
 from shardwise.errors import LaunchError
 from shardwise_mpi._c10d import BACKEND_NAME, _mpi_store, register
+from shardwise_mpi._libmpi import ensure_matching_library
 from shardwise_mpi._watchdog import FORWARD_GRACE
 
 __all__ = ["TORCH_DIST_ENV", "create_group", "install_abort_hook", "is_available", "shardwise_backends"]
@@ -53,6 +54,11 @@ def is_available() -> Availability:
     """Whether mpi4py imports and finds an MPI library (without initialising MPI)."""
     if sys.modules.get("mpi4py.MPI") is not None:
         return Availability(True)
+    try:
+        # Before mpi4py looks for a library (it keeps the first one it finds).
+        ensure_matching_library()
+    except LaunchError as exc:
+        return Availability(False, str(exc))
     # mpi4py is an optional dependency probed here, not imported with the module (see the module docstring).
     try:
         import mpi4py
@@ -127,12 +133,19 @@ def create_group(launch: LaunchInfo, timeout: timedelta) -> Group:
     ``timeout`` (see the module docstring); the group's ``destroy`` tears
     it down again.
 
+    Before MPI starts, :func:`~shardwise_mpi._libmpi.match_launcher` makes
+    mpi4py load a library of the kind the launcher speaks (Open MPI's under
+    Open MPI's ``mpirun``, MPICH's under Hydra's ``mpiexec``).
+
     Raises:
-        LaunchError: MPI's world disagrees with what the launcher said
+        LaunchError: no MPI library of the launcher's kind was found (before
+            ``MPI_Init``, which would abort), or MPI's world disagrees with what the launcher said
             (for example ``backend="mpi"`` under torchrun, where every
             process is its own MPI world), or torch.distributed could not
             be initialised (on every rank; the message says why).
     """
+    # Before MPI_Init: the library must be one that can talk to the launcher.
+    ensure_matching_library()
     # Imported on use: MPI starts here, when the backend has been chosen, not when the plugin loads.
     import mpi4py
 

@@ -99,18 +99,28 @@ def _choose(launch: LaunchInfo) -> tuple[Backend, str]:
     """:func:`select_backend`'s choice and, for the log, why: what was available and what was not."""
     usable: list[Backend] = []
     reasons: list[str] = []
+    passed_over: list[str] = []
     for backend in plugins.list_backends():
         availability = plugins.availability(backend)
         if availability:
             usable.append(backend)
         else:
             reasons.append(f"{backend.name}: {availability.reason}")
+            if launch.family in backend.preferred_under:
+                passed_over.append(f"backend {backend.name!r} cannot run here: {availability.reason}")
     if not usable:
         detail = "; ".join(reasons) if reasons else "no backend plugin is installed"
         raise BackendNotFoundError(
             f"no usable shardwise backend ({detail}). `pip install shardwise-gloo` for CPU collectives."
         )
     chosen = max(usable, key=lambda b: (launch.family in b.preferred_under, b.priority))
+    if passed_over and launch.family not in chosen.preferred_under:
+        # Said where the user sees it: the fallback's own error (gloo under mpirun
+        # wants MASTER_ADDR) would otherwise hide why the launcher's backend was not used.
+        _log.warning(
+            "shardwise: the %s launcher's own backend was passed over, so %r is used instead: %s",
+            launch.launcher, chosen.name, "; ".join(passed_over),
+        )  # fmt: skip
     if launch.family in chosen.preferred_under:
         rule = f"it is preferred under launcher family {launch.family!r}"
     else:

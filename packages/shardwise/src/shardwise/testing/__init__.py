@@ -10,7 +10,22 @@ a plugin manager of its own.
 
 from __future__ import annotations
 
-from shardwise.testing._harness import RankError, current_rank_dir, find_mpiexec, run_ranks
+from shardwise.testing._harness import (
+    RankError,
+    current_rank_dir,
+    find_mpiexec,
+    launcher_free_env,
+    mpiexec_kind,
+    run_ranks,
+)
 from shardwise.testing._isolation import isolated_plugins
 
-__all__ = ["RankError", "current_rank_dir", "find_mpiexec", "isolated_plugins", "run_ranks"]
+__all__ = [
+    "RankError",
+    "current_rank_dir",
+    "find_mpiexec",
+    "isolated_plugins",
+    "launcher_free_env",
+    "mpiexec_kind",
+    "run_ranks",
+]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import shutil
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-__all__ = ["RankError", "current_rank_dir", "run_ranks"]
+__all__ = ["RankError", "current_rank_dir", "find_mpiexec", "launcher_free_env", "mpiexec_kind", "run_ranks"]
 
 #: After one rank fails, how long the others get to fail on their own
 #: (their collectives notice the dead peer) before they are killed.
@@ -212,6 +213,58 @@ def find_mpiexec() -> str:
             "`pip install shardwise-mpi[mpich]` installs one"
         )
     return found
+
+
+#: Variables a surrounding launcher (or a developer's shell) may have set; they
+#: would change what a launched job's ranks think their job is.
+_LAUNCH_VARS = frozenset(
+    {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+     "MPI_LOCALNRANKS", "MPI_LOCALRANKID"}
+)  # fmt: skip
+_LAUNCH_PREFIXES = ("TORCHELASTIC_", "OMPI_", "PMI_", "PMIX_", "SLURM_", "HYDRA_", "I_MPI_", "SHARDWISE_")
+#: Launcher *settings*, kept: Open MPI's MCA parameters and its permission to run as root.
+_SETTING_PREFIXES = ("OMPI_MCA_", "OMPI_ALLOW_RUN_AS_ROOT")
+
+
+def launcher_free_env(environ: Optional[Mapping[str, str]] = None, **extra: str) -> dict[str, str]:
+    """``environ`` (default ``os.environ``) without any launcher's or rendezvous variables, plus ``extra``.
+
+    A job a test starts (under ``mpiexec``, ``torchrun``, or none: a world of
+    one) then sees only what its own launcher sets, even where the test itself
+    runs inside a launched job. ``SHARDWISE_*`` goes too; Open MPI's settings
+    (``OMPI_MCA_*``, ``OMPI_ALLOW_RUN_AS_ROOT*``) stay.
+    """
+    source = os.environ if environ is None else environ
+    env = {
+        name: value
+        for name, value in source.items()
+        if name.startswith(_SETTING_PREFIXES) or (name not in _LAUNCH_VARS and not name.startswith(_LAUNCH_PREFIXES))
+    }
+    env.update(extra)
+    return env
+
+
+@functools.cache
+def mpiexec_kind(mpiexec: Optional[str] = None) -> str:
+    """Which MPI an ``mpiexec`` belongs to: ``"openmpi"``, ``"mpich"`` (Hydra, also Intel MPI's), else ``"unknown"``.
+
+    Tests need it where the two launchers' options differ (per-rank
+    environment variables, several programs in one job).
+
+    Args:
+        mpiexec: the launcher's path; default :func:`find_mpiexec`'s.
+    """
+    path = mpiexec or find_mpiexec()
+    try:
+        proc = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    said = proc.stdout + proc.stderr
+    if "Open MPI" in said or "OpenRTE" in said or "PRRTE" in said:
+        return "openmpi"
+    if "HYDRA" in said or "Intel(R) MPI" in said:
+        return "mpich"
+    return "unknown"
 
 
 def _popen(cmd: list[str], env: Mapping[str, str], log: Path) -> subprocess.Popen[bytes]:
