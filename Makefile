@@ -35,7 +35,8 @@ $(STAMP): $(BIN)/python $(INSTALL_INPUTS)
 	$(PIP) install -c constraints.txt $(DISTS) $(DEV_TOOLS)
 	touch $@
 
-# Debian packages some tox envs need (Open MPI for integration-openmpi), installed
+# Debian packages some tox envs need (Open MPI for integration-openmpi, Slurm and
+# munge for integration-slurm), installed
 # with apt-get where missing; needs root. .ci/run calls it before `make test`.
 system-deps:
 	.ci/system-packages.sh

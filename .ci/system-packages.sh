@@ -5,15 +5,18 @@
 #   openmpi-bin   Open MPI's mpirun (mpirun.openmpi) and libmpi.so.40, for tox env
 #                 integration-openmpi (the mpi suites under a second MPI, beside
 #                 MPICH from PyPI)
+#   slurm-wlm     Slurm's daemons and commands (slurmctld, slurmd, srun, sbatch),
+#   munge         and its authentication daemon, for tox env integration-slurm
+#                 (the tests start and stop a one-node cluster themselves)
 #
 # Needs root (or passwordless sudo) and apt-get. Where neither is available it
 # says what is missing and exits 0: the envs that need the package then fail,
 # naming it, rather than this script.
 set -euo pipefail
 
-PACKAGES=(openmpi-bin)
+PACKAGES=(openmpi-bin slurm-wlm munge)
 # The file each package installs that the tests look for.
-declare -A PROVIDES=([openmpi-bin]=/usr/bin/mpirun.openmpi)
+declare -A PROVIDES=([openmpi-bin]=/usr/bin/mpirun.openmpi [slurm-wlm]=/usr/sbin/slurmctld [munge]=/usr/sbin/munged)
 
 missing=()
 for pkg in "${PACKAGES[@]}"; do
