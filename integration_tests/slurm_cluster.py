@@ -71,7 +71,8 @@ class SlurmCluster:
     conf: Path
     node: str
     started_munged: bool
-    log: list[str] = field(default_factory=list)
+    #: The daemons' process ids, read from their pid files once they are up (the files go at shutdown).
+    pids: list[int] = field(default_factory=list)
 
     def env(self, **extra: str) -> dict[str, str]:
         """This process's environment without launcher variables, with ``SLURM_CONF`` and ``extra``."""
@@ -92,20 +93,28 @@ class SlurmCluster:
     def stop(self) -> None:
         """Cancel every job, shut both daemons down, and stop munged if :func:`start` started it."""
         env = self.env()
-        subprocess.run([_which("scancel"), "--full", "--user", "root"], env=env, capture_output=True, check=False)
+        # SIGKILL, not scancel's SIGTERM: a task hung in MPI would keep its step, and so slurmd, alive.
+        scancel = [_which("scancel"), "--full", "--signal=KILL", "--user", "root"]
+        subprocess.run(scancel, env=env, capture_output=True, timeout=30, check=False)
         subprocess.run([_which("scontrol"), "shutdown"], env=env, capture_output=True, timeout=30, check=False)
-        for pidfile in ("slurmctld.pid", "slurmd.pid"):
-            _wait_gone(self.root / pidfile)
+        for pid in self.pids:
+            _wait_gone(pid)
         if self.started_munged:
-            _wait_gone(_MUNGE_RUN / "munged.pid")
+            munged = _read_pid(_MUNGE_RUN / "munged.pid")
+            if munged is not None:
+                os.kill(munged, 15)
+                _wait_gone(munged)
 
 
-def _wait_gone(pidfile: Path, timeout: float = 15.0) -> None:
-    """Wait until the process in ``pidfile`` has exited; SIGKILL it after ``timeout``."""
+def _read_pid(pidfile: Path) -> Optional[int]:
     try:
-        pid = int(pidfile.read_text().split()[0])
+        return int(pidfile.read_text().split()[0])
     except (OSError, ValueError, IndexError):
-        return
+        return None
+
+
+def _wait_gone(pid: int, timeout: float = 15.0) -> None:
+    """Wait until process ``pid`` has exited; SIGKILL it after ``timeout``."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
@@ -197,8 +206,12 @@ def start(root: Path) -> SlurmCluster:
         )
         state = shown.stdout.strip()
         if state == "idle":
+            found = (_read_pid(root / name) for name in ("slurmctld.pid", "slurmd.pid"))
+            cluster.pids = [pid for pid in found if pid is not None]
             return cluster
         time.sleep(0.5)
     logs = cluster.logs()
+    found = (_read_pid(root / name) for name in ("slurmctld.pid", "slurmd.pid"))
+    cluster.pids = [pid for pid in found if pid is not None]
     cluster.stop()
     raise RuntimeError(f"the Slurm node is {state!r}, not idle, after {START_TIMEOUT:g} s\n{logs}")
