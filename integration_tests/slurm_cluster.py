@@ -134,7 +134,7 @@ def _start_munged() -> bool:
         return False
     _MUNGE_RUN.mkdir(parents=True, exist_ok=True)
     shutil.chown(_MUNGE_RUN, "munge", "munge")
-    subprocess.run(["runuser", "-u", "munge", "--", _which("munged")], check=True, timeout=30)
+    subprocess.run([_which("runuser"), "-u", "munge", "--", _which("munged")], check=True, timeout=30)
     deadline = time.monotonic() + 15
     while not _munge_works():
         if time.monotonic() > deadline:
