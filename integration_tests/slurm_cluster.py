@@ -36,14 +36,18 @@ START_TIMEOUT = 60.0
 _MUNGE_RUN = Path("/run/munge")
 
 
+def _find(name: str) -> Optional[str]:
+    """``name`` on PATH, or in /usr/sbin and /sbin (the daemons live there, off many users' PATH)."""
+    return shutil.which(name, path=os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"]))
+
+
 def missing() -> list[str]:
-    """The cluster's programs that are not installed (looked up on PATH and in /usr/sbin)."""
-    search = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
-    return [name for name in PROGRAMS if shutil.which(name, path=search) is None]
+    """The cluster's programs that are not installed."""
+    return [name for name in PROGRAMS if _find(name) is None]
 
 
 def _which(name: str) -> str:
-    found = shutil.which(name, path=os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"]))
+    found = _find(name)
     if found is None:
         raise FileNotFoundError(f"{name} is not installed (Debian packages slurm-wlm and munge; `make system-deps`)")
     return found
@@ -102,7 +106,10 @@ class SlurmCluster:
         if self.started_munged:
             munged = _read_pid(_MUNGE_RUN / "munged.pid")
             if munged is not None:
-                os.kill(munged, 15)
+                try:
+                    os.kill(munged, 15)
+                except ProcessLookupError:
+                    return
                 _wait_gone(munged)
 
 
