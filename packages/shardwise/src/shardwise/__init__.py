@@ -18,6 +18,7 @@ from shardwise._session.runtime import (
     get_default_group,
     init,
     is_initialized,
+    launch_info,
     resolve_group,
 )
 from shardwise._tensor.loading import load_with_process_group
@@ -28,6 +29,7 @@ from shardwise._tensor.specs import (
     EnumerableShardingSpec,
     ShardingSpec,
 )
+from shardwise._vocab.launch import Host
 from shardwise._vocab.version import __version__ as __version__
 from shardwise.api import _shard_tensor
 from shardwise.hookspecs import hookimpl
@@ -50,6 +52,7 @@ __all__ = [
     "DevicePlacementSpec",
     "EnumerableShardingSpec",
     "Group",
+    "Host",
     "LaunchInfo",
     "Launcher",
     "Shard",
@@ -68,6 +71,7 @@ __all__ = [
     "hookimpl",
     "init",
     "is_initialized",
+    "launch_info",
     "load_with_process_group",
     "resolve_group",
     "shard_module",

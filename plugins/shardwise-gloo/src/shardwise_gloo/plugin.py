@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from shardwise import Availability, Backend, Group, LaunchInfo, hookimpl
 from shardwise.torch_group import init_torch_process_group
+from shardwise_gloo._interface import choose_interface
 
 __all__ = ["shardwise_backends"]
 
@@ -24,8 +25,18 @@ def is_available() -> Availability:
 
 
 def create_group(launch: LaunchInfo, timeout: timedelta) -> Group:
-    """Rendezvous through the launcher's MASTER_ADDR/MASTER_PORT and make a gloo group."""
-    return init_torch_process_group("gloo", launch, timeout, device=torch.device("cpu"))
+    """Rendezvous through the launcher's MASTER_ADDR/MASTER_PORT and make a gloo group.
+
+    Unless ``GLOO_SOCKET_IFNAME`` is set, gloo binds the network interface
+    that routes to the rendezvous host (see :mod:`shardwise_gloo._interface`).
+
+    Raises:
+        LaunchError: no interface of this host routes to the rendezvous
+            host, or the rendezvous fails.
+    """
+    # A torch.distributed the user initialised already chose its interface.
+    finish = None if dist.is_initialized() else choose_interface(launch, timeout)
+    return init_torch_process_group("gloo", launch, timeout, device=torch.device("cpu"), before_init=finish)
 
 
 @hookimpl

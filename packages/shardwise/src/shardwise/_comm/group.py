@@ -66,7 +66,9 @@ from shardwise._comm.checks import (
     split_out,
     write_back,
 )
+from shardwise._comm.hosts import this_host
 from shardwise._vocab import wire as _wire
+from shardwise._vocab.launch import Host, group_by_host
 
 __all__ = ["VERIFY_ENV", "Group"]
 
@@ -125,6 +127,7 @@ class Group(abc.ABC):
         if verify is None:
             verify = os.environ.get(VERIFY_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
         self.verify = verify
+        self._hosts: Optional[tuple[Host, ...]] = None
 
     # -- identity ------------------------------------------------------------
     @property
@@ -185,6 +188,32 @@ class Group(abc.ABC):
             f"global rank {global_rank} is not a member of this group ({self.describe_members()}): "
             f"Global rank {global_rank} does not exist in input process group: {list(self.ranks)}"
         )
+
+    def hosts(self) -> tuple[Host, ...]:
+        """The hosts this group's ranks run on, each with the group ranks there.
+
+        Collective the first time: every rank of the group must call it (one
+        small all-gather of each rank's host name and boot id); the answer is
+        kept, so later calls are local. Ranks share a host when both match,
+        so containers on one machine that have host names of their own count
+        as separate hosts, as they do for shared memory.
+
+        Returns:
+            One :class:`Host` per host, in the order of its lowest rank.
+        """
+        if self._hosts is None:
+            self._hosts = group_by_host(self.all_gather_json(this_host(), op="hosts"))
+        return self._hosts
+
+    def local_ranks(self) -> tuple[int, ...]:
+        """The group ranks on this rank's host, this rank included, ascending.
+
+        Collective the first time, as :meth:`hosts` is. Under torchrun,
+        ``LOCAL_RANK`` of a rank of the world group is its index here and
+        ``LOCAL_WORLD_SIZE`` the length; ranks that share a host can share
+        memory.
+        """
+        return next(host.ranks for host in self.hosts() if self.rank in host.ranks)
 
     def describe_members(self) -> str:
         """``"0..3"``, or ``"global ranks [1, 2]"`` for a subgroup, for error messages."""
@@ -442,7 +471,7 @@ class Group(abc.ABC):
         host = out.cpu()
         joined = ctypes.string_at(host.data_ptr(), host.numel()) if host.numel() else b""
         offsets = [sum(counts[:r]) for r in range(self.size + 1)]
-        return [joined[offsets[r]:offsets[r + 1]] for r in range(self.size)]
+        return [joined[offsets[r] : offsets[r + 1]] for r in range(self.size)]
 
     def all_gather_json(self, obj: Any, *, op: Optional[str] = None) -> list[Any]:
         """All-gather a small JSON-safe object from every rank (metadata, not tensor data).
@@ -868,8 +897,9 @@ class Group(abc.ABC):
         call, rows = self._handshake(prepare)
         if rows is not None:
             # Compare the member lists, not the 0/1 masks that carry them (which read like rank lists).
-            check_same(rows, lambda r: [m for m, flag in enumerate(rows.splits_a(r)) if flag],
-                       what="members of the new group")
+            check_same(
+                rows, lambda r: [m for m, flag in enumerate(rows.splits_a(r)) if flag], what="members of the new group"
+            )
         members = [r for r, flag in enumerate(call.splits_a) if flag]
         sub = self._new_group(members)
         if sub is not None and sub._global_ranks is None:

@@ -261,6 +261,7 @@ def init_torch_process_group(
     timeout: timedelta,
     *,
     device: Optional[torch.device] = None,
+    before_init: Optional[Callable[[dist.Store], object]] = None,
 ) -> TorchGroup:
     """Rendezvous and make a torch process group for ``launch``.
 
@@ -277,6 +278,11 @@ def init_torch_process_group(
         launch: What the launcher said about this job.
         timeout: Rendezvous and collective timeout.
         device: Device to bind (``cuda:<local rank>`` for nccl).
+        before_init: Called with the rendezvous store once every rank can
+            reach it and before the process group is made (its return value is
+            ignored), for choices
+            that need the other ranks (shardwise-gloo picks its network
+            interface here). Not called when torch was already initialised.
 
     Raises:
         LaunchError: no rendezvous address is known for a multi-rank job,
@@ -319,6 +325,8 @@ def init_torch_process_group(
                 f"within {timeout.total_seconds():g}s ({exc}). Check that MASTER_ADDR is reachable "
                 "from every rank, MASTER_PORT is free on it, and every rank was started."
             ) from exc
+    if before_init is not None:
+        before_init(store)
     kwargs: dict[str, Any] = {}
     if device is not None and device.type == "cuda":
         kwargs["device_id"] = device

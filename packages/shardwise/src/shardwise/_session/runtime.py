@@ -50,6 +50,7 @@ __all__ = [
     "get_default_group",
     "init",
     "is_initialized",
+    "launch_info",
     "resolve_group",
     "select_backend",
 ]
@@ -78,6 +79,24 @@ def detect(environ: Optional[Mapping[str, str]] = None) -> LaunchInfo:
     """
     env = os.environ if environ is None else environ
     return detect_launch(plugins.list_launchers(), env)
+
+
+def launch_info(environ: Optional[Mapping[str, str]] = None) -> LaunchInfo:
+    """What the launcher told this process, as :func:`init` reads it: rank, world size, local rank, rendezvous.
+
+    Reads only the environment (no communication), so it works before
+    :func:`init` and without it. ``local_rank`` is the rank among the
+    processes on this host (the device a CUDA backend binds is
+    ``cuda:<local_rank>``); which ranks share a host is
+    :meth:`Group.local_ranks`.
+
+    Args:
+        environ: Environment to read; defaults to ``os.environ``.
+
+    Raises:
+        LaunchError: the launcher's variables are malformed.
+    """
+    return detect(environ)
 
 
 def select_backend(launch: LaunchInfo) -> Backend:

@@ -1,4 +1,4 @@
-"""What a launcher tells a process, and whether a backend can run here: plain data.
+"""What a launcher tells a process, which ranks share a host, and whether a backend can run here: plain data.
 
 Records the registry's plugin records (:mod:`shardwise._registry.records`)
 and the comm layer's torch groups both use, so they sit in the vocabulary.
@@ -7,9 +7,9 @@ and the comm layer's torch groups both use, so they sit in the vocabulary.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
-__all__ = ["Availability", "LaunchInfo"]
+__all__ = ["Availability", "Host", "LaunchInfo", "group_by_host"]
 
 
 @dataclass(frozen=True)
@@ -74,10 +74,35 @@ class LaunchInfo:
         if self.world_size < 1:
             raise ValueError(f"{self.launcher}: world size must be >= 1, got {self.world_size}")
         if not 0 <= self.rank < self.world_size:
-            raise ValueError(
-                f"{self.launcher}: rank {self.rank} is outside [0, {self.world_size})"
-            )
+            raise ValueError(f"{self.launcher}: rank {self.rank} is outside [0, {self.world_size})")
         if self.local_rank < 0:
             raise ValueError(f"{self.launcher}: local rank must be >= 0, got {self.local_rank}")
         if self.master_port is not None and not 0 < self.master_port < 65536:
             raise ValueError(f"{self.launcher}: master port {self.master_port} is not a TCP port")
+
+
+@dataclass(frozen=True)
+class Host:
+    """One host of a group and the group's ranks that run on it (:meth:`Group.hosts`).
+
+    Attributes:
+        name: The host's name (``socket.gethostname()`` there).
+        ranks: The group ranks on this host, ascending.
+    """
+
+    name: str
+    ranks: tuple[int, ...]
+
+
+def group_by_host(identities: Sequence[Sequence[str]]) -> tuple[Host, ...]:
+    """The hosts of a group, from each rank's ``(host name, boot id)`` in rank order.
+
+    Ranks share a host when both parts match: the boot id (the kernel's,
+    ``/proc/sys/kernel/random/boot_id``) keeps apart two machines that carry
+    the same host name, as containers often do; the name keeps apart
+    containers on one kernel. Hosts come in the order of their lowest rank.
+    """
+    ranks: dict[tuple[str, ...], list[int]] = {}
+    for rank, identity in enumerate(identities):
+        ranks.setdefault(tuple(identity), []).append(rank)
+    return tuple(Host(name=key[0], ranks=tuple(members)) for key, members in ranks.items())
