@@ -8,15 +8,18 @@
 #   slurm-wlm     Slurm's daemons and commands (slurmctld, slurmd, srun, sbatch),
 #   munge         and its authentication daemon, for tox env integration-slurm
 #                 (the tests start and stop a one-node cluster themselves)
+#   iproute2      `ip` (network namespaces and a veth pair), for tox env
+#                 integration-two-hosts (two hosts on one machine)
 #
 # Needs root (or passwordless sudo) and apt-get. Where neither is available it
 # says what is missing and exits 0: the envs that need the package then fail,
 # naming it, rather than this script.
 set -euo pipefail
 
-PACKAGES=(openmpi-bin slurm-wlm munge)
+PACKAGES=(openmpi-bin slurm-wlm munge iproute2)
 # The file each package installs that the tests look for.
-declare -A PROVIDES=([openmpi-bin]=/usr/bin/mpirun.openmpi [slurm-wlm]=/usr/sbin/slurmctld [munge]=/usr/sbin/munged)
+declare -A PROVIDES=([openmpi-bin]=/usr/bin/mpirun.openmpi [slurm-wlm]=/usr/sbin/slurmctld [munge]=/usr/sbin/munged
+                     [iproute2]=/usr/bin/ip)
 
 missing=()
 for pkg in "${PACKAGES[@]}"; do
