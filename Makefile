@@ -36,7 +36,7 @@ $(STAMP): $(BIN)/python $(INSTALL_INPUTS)
 	touch $@
 
 # Debian packages some tox envs need (Open MPI for integration-openmpi, Slurm and
-# munge for integration-slurm), installed
+# munge for integration-slurm, iproute2 for integration-two-hosts), installed
 # with apt-get where missing; needs root. .ci/run calls it before `make test`.
 system-deps:
 	.ci/system-packages.sh
