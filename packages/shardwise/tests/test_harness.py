@@ -83,6 +83,66 @@ def test_a_rank_that_dies_without_python_error() -> None:
     assert info.value.outcomes[1].exitcode == 7
 
 
+def origin() -> dict[str, object]:
+    return {
+        "pid": os.getpid(), "parent": os.getppid(), "session": os.getsid(0), "cwd": os.getcwd(),
+        "threads": torch.get_num_threads(), "omp": os.environ.get("OMP_NUM_THREADS"),
+    }  # fmt: skip
+
+
+def _command_line(pid: object) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/cmdline"), reason="reads /proc")
+def test_ranks_are_forked_from_a_zygote_that_imported_torch_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    ranks = run_ranks(origin, 3, backend="test-gloo", env=RANK_ENV, timeout=60)
+    zygote = ranks[0]["parent"]
+    assert zygote != os.getpid() and {r["parent"] for r in ranks} == {zygote}
+    assert "shardwise.testing._zygote" in _command_line(zygote)
+    for r in ranks:
+        # As a spawned rank: a session of its own (the harness kills it by process group), the caller's directory.
+        assert r["session"] == r["pid"] and r["cwd"] == str(tmp_path), r
+    again = run_ranks(origin, 2, backend="test-gloo", env=RANK_ENV, timeout=60)
+    assert {r["parent"] for r in again} == {zygote}  # the same zygote serves the next run
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/cmdline"), reason="reads /proc")
+def test_a_rank_whose_import_time_variables_differ_gets_a_zygote_started_with_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    (one,) = run_ranks(origin, 1, backend="test-gloo", env=RANK_ENV, timeout=60)
+    (two,) = run_ranks(origin, 1, backend="test-gloo", env={**RANK_ENV, "OMP_NUM_THREADS": "2"}, timeout=60)
+    # OpenMP reads OMP_NUM_THREADS when torch loads: a rank forked from the first zygote would keep 1 thread.
+    assert (one["threads"], two["threads"], two["omp"]) == (1, 2, "2")
+    assert one["parent"] != two["parent"]
+
+
+def test_the_fork_switch_spawns_every_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SHARDWISE_TESTING_FORK", "0")
+    ranks = run_ranks(origin, 2, backend="test-gloo", env=RANK_ENV, timeout=60)
+    assert {r["parent"] for r in ranks} == {os.getpid()}
+
+
+def kill_rank_one() -> None:
+    import signal
+
+    if shardwise.get_default_group().rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    shardwise.get_default_group().barrier()
+
+
+def test_a_rank_killed_by_a_signal_is_reported_as_such() -> None:
+    with pytest.raises(RankError) as info:
+        run_ranks(kill_rank_one, 2, backend="test-gloo", env=RANK_ENV, timeout=60)
+    assert info.value.outcomes[1].exitcode == -9
+
+
 def local_function_holder() -> None:
     def inner() -> None:
         pass
@@ -101,7 +161,10 @@ def test_concurrent_runs_never_share_a_port() -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=3) as pool:
-        runs = [pool.submit(run_ranks, report, 2, backend="test-gloo", args=(str(i),), env=RANK_ENV, timeout=90) for i in range(3)]
+        runs = [
+            pool.submit(run_ranks, report, 2, backend="test-gloo", args=(str(i),), env=RANK_ENV, timeout=90)
+            for i in range(3)
+        ]
         outcomes = [run.result() for run in runs]
     assert [[r["tag"] for r in results] for results in outcomes] == [["0", "0"], ["1", "1"], ["2", "2"]]
 

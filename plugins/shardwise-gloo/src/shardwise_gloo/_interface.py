@@ -101,11 +101,11 @@ _IfAddrs._fields_ = [
 
 
 def _address(sockaddr: _SockAddr) -> Optional[str]:
-    raw = bytes(ctypes.string_at(ctypes.addressof(sockaddr), 24))
-    if sockaddr.family == socket.AF_INET:
-        return socket.inet_ntop(socket.AF_INET, raw[4:8])  # sockaddr_in: family, port, address
-    if sockaddr.family == socket.AF_INET6:
-        return socket.inet_ntop(socket.AF_INET6, raw[8:24])  # sockaddr_in6: family, port, flowinfo, address
+    """The IP address in a ``struct sockaddr`` (Linux layout), or None for another family."""
+    if sockaddr.family == socket.AF_INET:  # sockaddr_in (16 bytes): family, port, address
+        return socket.inet_ntop(socket.AF_INET, ctypes.string_at(ctypes.addressof(sockaddr), 16)[4:8])
+    if sockaddr.family == socket.AF_INET6:  # sockaddr_in6 (28 bytes): family, port, flowinfo, address, scope
+        return socket.inet_ntop(socket.AF_INET6, ctypes.string_at(ctypes.addressof(sockaddr), 28)[8:24])
     return None
 
 

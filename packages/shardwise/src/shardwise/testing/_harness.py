@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import atexit
 import functools
+import json
 import os
 import pickle
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
 
 __all__ = ["RankError", "current_rank_dir", "find_mpiexec", "launcher_free_env", "mpiexec_kind", "run_ranks"]
 
@@ -21,6 +25,13 @@ __all__ = ["RankError", "current_rank_dir", "find_mpiexec", "launcher_free_env",
 #: (their collectives notice the dead peer) before they are killed.
 GRACE_SECONDS = 10.0
 _LOG_TAIL = 60
+#: ``0`` starts every rank of launcher "spawn" as a new interpreter instead of forking it from a zygote.
+FORK_ENV = "SHARDWISE_TESTING_FORK"
+#: Seconds a zygote may take to import torch and shardwise before the harness spawns instead.
+_ZYGOTE_START_TIMEOUT = 120.0
+#: Variables that take effect when torch and its libraries load: a rank whose values of them
+#: differ from a zygote's is forked from another zygote, started with its values.
+IMPORT_TIME_PREFIXES = ("OMP_", "MKL_", "KMP_", "GOMP_", "TORCH_", "PYTORCH_", "CUDA_", "LD_", "PYTHON")
 
 
 @dataclass(frozen=True)
@@ -115,7 +126,11 @@ def run_ranks(
             little under ``timeout`` so ranks report their own errors first.
         env: Extra environment variables for every rank.
         launcher: ``"spawn"`` (one process per rank, torchrun's variables
-            set by the harness), ``"torchrun"`` (a real
+            set by the harness; forked from a process that imported torch
+            and shardwise once, which saves each rank the seconds of
+            importing them, or a new interpreter per rank with
+            ``SHARDWISE_TESTING_FORK=0`` or where there is no ``fork``),
+            ``"torchrun"`` (a real
             ``python -m torch.distributed.run``) or ``"mpiexec"`` (a real
             ``mpiexec -n world_size``, see :func:`find_mpiexec`).
 
@@ -156,6 +171,7 @@ def run_ranks(
         base_env.update(env or {})
         worker = [sys.executable, "-m", "shardwise.testing._worker", str(workdir / "spec.pkl")]
         store = None
+        procs: list[_Proc]
         if launcher == "spawn":
             store = _start_store()
             procs = []
@@ -172,11 +188,15 @@ def run_ranks(
                         "TORCHELASTIC_USE_AGENT_STORE": "True",
                     }
                 )
-                procs.append(_popen(worker, rank_env, workdir / f"launcher_{rank}.txt"))
+                procs.append(_start_rank(worker, rank_env, workdir / f"launcher_{rank}.txt"))
         elif launcher == "torchrun":
             cmd = [
-                sys.executable, "-m", "torch.distributed.run", "--standalone",
-                f"--nproc-per-node={world_size}", *worker[1:],
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc-per-node={world_size}",
+                *worker[1:],
             ]
             procs = [_popen(cmd, base_env, workdir / "launcher.txt")]
         else:
@@ -267,12 +287,130 @@ def mpiexec_kind(mpiexec: Optional[str] = None) -> str:
     return "unknown"
 
 
+class _Proc(Protocol):
+    """What the harness uses of a rank's process: ``subprocess.Popen`` or :class:`_ForkedRank`."""
+
+    pid: int
+    returncode: Optional[int]
+
+    def poll(self) -> Optional[int]: ...
+
+    def wait(self, timeout: Optional[float] = None) -> int: ...
+
+
 def _popen(cmd: list[str], env: Mapping[str, str], log: Path) -> subprocess.Popen[bytes]:
     with open(log, "wb") as out:
         return subprocess.Popen(cmd, env=dict(env), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def _kill(proc: subprocess.Popen[bytes]) -> None:
+class _ForkedRank:
+    """A rank a zygote forked (:mod:`shardwise.testing._zygote`): its pid, and its exit status once reported."""
+
+    def __init__(self, conn: socket.socket, pid: int, pending: bytes = b"") -> None:
+        self._conn = conn
+        self._pending = pending
+        self.pid = pid
+        self.returncode: Optional[int] = None
+        conn.setblocking(False)
+
+    def poll(self) -> Optional[int]:
+        if self.returncode is not None:
+            return self.returncode
+        data = b"-"
+        if b"\n" not in self._pending:
+            try:
+                data = self._conn.recv(4096)
+            except BlockingIOError:
+                return None
+            except OSError:
+                data = b""
+            self._pending += data
+        if b"\n" in self._pending:
+            self.returncode = int(json.loads(self._pending.split(b"\n", 1)[0])["exit"])
+        elif not data:
+            # The zygote went away without a word: the rank cannot be waited for any more.
+            self.returncode = -signal.SIGKILL
+        if self.returncode is not None:
+            self._conn.close()
+        return self.returncode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"rank pid {self.pid}", timeout or 0.0)
+            time.sleep(0.01)
+        return code
+
+
+# One zygote per set of import-time variables: (its process, its socket path). Runs in threads share them.
+_zygotes: dict[tuple[tuple[str, str], ...], tuple[subprocess.Popen[bytes], str]] = {}
+_zygotes_lock = threading.Lock()
+
+
+def _zygote_socket(env: Mapping[str, str]) -> Optional[str]:
+    """The socket of a ready zygote for ranks with environment ``env``, started if need be; None: spawn instead."""
+    if not hasattr(os, "fork") or os.environ.get(FORK_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    key = tuple(sorted((k, v) for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES)))
+    with _zygotes_lock:
+        return _zygote_for(key, env)
+
+
+def _zygote_for(key: tuple[tuple[str, str], ...], env: Mapping[str, str]) -> Optional[str]:
+    running = _zygotes.get(key)
+    if running is not None and running[0].poll() is None:
+        return running[1]
+    home = tempfile.mkdtemp(prefix="shardwise-zygote-")
+    path = os.path.join(home, "sock")
+    with open(os.path.join(home, "zygote.log"), "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "shardwise.testing._zygote", path],
+            env=dict(env), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+    atexit.register(_stop_zygote, proc, home)
+    deadline = time.monotonic() + _ZYGOTE_START_TIMEOUT
+    while not os.path.exists(path):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            _stop_zygote(proc, home)
+            return None
+        time.sleep(0.02)
+    _zygotes[key] = (proc, path)
+    return path
+
+
+def _stop_zygote(proc: subprocess.Popen[bytes], home: str) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    shutil.rmtree(home, ignore_errors=True)
+
+
+def _start_rank(worker: list[str], env: Mapping[str, str], log: Path) -> _Proc:
+    """Start one rank of launcher "spawn": forked from a zygote where one can serve it, else a new interpreter."""
+    path = _zygote_socket(env)
+    if path is not None:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            conn.settimeout(30)
+            conn.connect(path)
+            request = {"spec": worker[-1], "env": dict(env), "log": str(log), "cwd": os.getcwd()}
+            conn.sendall(json.dumps(request).encode() + b"\n")
+            received = b""
+            while b"\n" not in received:
+                chunk = conn.recv(4096)
+                if not chunk:
+                    raise OSError("the zygote closed the connection")
+                received += chunk
+            line, rest = received.split(b"\n", 1)
+            # A rank that ends at once may have its exit status in the same read: keep it for poll().
+            return _ForkedRank(conn, int(json.loads(line)["pid"]), rest)
+        except (OSError, ValueError, KeyError):
+            conn.close()  # the zygote failed: this rank (and later ones, if it is gone) start the plain way
+    return _popen(worker, env, log)
+
+
+def _kill(proc: _Proc) -> None:
     if proc.poll() is None:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -292,7 +430,7 @@ def _dump_stacks(workdir: Path, ranks: Sequence[int]) -> None:
     time.sleep(0.5)
 
 
-def _wait(procs: list[subprocess.Popen[bytes]], world_size: int, workdir: Path, timeout: float) -> list[Any]:
+def _wait(procs: Sequence[_Proc], world_size: int, workdir: Path, timeout: float) -> list[Any]:
     deadline = time.monotonic() + timeout
     failed_at: Optional[float] = None
     timed_out = False
