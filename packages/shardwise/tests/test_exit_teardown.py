@@ -247,6 +247,24 @@ def test_uncaught_exception_is_written_to_torchruns_error_file(error_file: Path,
     assert value.__traceback__ is tb
 
 
+def test_the_error_file_appears_whole(error_file: Path, records: list[BaseException]) -> None:
+    # torchrun may read the file while the worker writes it: it must never see it empty or half-written.
+    seen: list[tuple[str, bool]] = []
+
+    class Handler:
+        def record_exception(self, e: BaseException) -> None:
+            path = os.environ[runtime.ERROR_FILE_ENV]
+            Path(path).write_text(json.dumps({"message": {"message": f"{type(e).__name__}: {e}"}}))
+            seen.append((path, error_file.exists()))
+
+    _, value, tb = _raised(ValueError("whole"))
+    runtime._record(Handler(), value, tb)
+    ((written, existed),) = seen
+    assert written != str(error_file) and Path(written).parent == error_file.parent and not existed
+    assert json.loads(error_file.read_text())["message"]["message"] == "ValueError: whole"
+    assert not Path(written).exists() and os.environ[runtime.ERROR_FILE_ENV] == str(error_file)
+
+
 def test_keyboard_interrupt_is_not_written_as_an_error(error_file: Path, records: list[BaseException]) -> None:
     previous = sys.excepthook
     assert isinstance(previous, _Previous)

@@ -393,10 +393,19 @@ def _record(handler: Any, value: BaseException, tb: Optional[TracebackType]) -> 
 
     The handler formats the traceback of the exception being handled
     (``traceback.format_exc``), as inside ``@record``'s ``except`` clause; an
-    exception hook has none, so re-raise ``value`` and record it there.
+    exception hook has none, so re-raise ``value`` and record it there. The
+    file appears whole: written under another name, then renamed.
     """
+    # The handler writes the file where TORCHELASTIC_ERROR_FILE says, in place. torchrun, ending the
+    # other workers once one died, reads every worker's file and can meet it created but still
+    # empty; its failure summary then breaks off with a JSONDecodeError. So the handler writes
+    # beside it, and the finished file is renamed into place.
+    target = os.environ.get(ERROR_FILE_ENV)
+    partial = f"{target}.writing-{os.getpid()}" if target else None
     saved = value.__traceback__
     try:
+        if partial is not None:
+            os.environ[ERROR_FILE_ENV] = partial
         raise value
     except BaseException:
         # The traceback the program raised with, not this frame on top of it.
@@ -404,3 +413,7 @@ def _record(handler: Any, value: BaseException, tb: Optional[TracebackType]) -> 
         handler.record_exception(value)
     finally:
         value.__traceback__ = saved
+        if target is not None:
+            os.environ[ERROR_FILE_ENV] = target
+    if partial is not None and target is not None and os.path.exists(partial):
+        os.replace(partial, target)
