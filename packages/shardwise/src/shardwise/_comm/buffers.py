@@ -46,6 +46,8 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from shardwise._vocab.switches import switched_on
+
 __all__ = [
     "DEFAULT_CACHE_MB",
     "HUGE_PAGE_MIN_BYTES",
@@ -72,7 +74,7 @@ def huge_pages_enabled() -> bool:
     """Whether large CPU buffers get their own huge-page mapping (``SHARDWISE_HUGE_PAGES``, default on)."""
     if not hasattr(mmap, "MADV_HUGEPAGE"):
         return False  # not Linux, or a Python built without it
-    return os.environ.get("SHARDWISE_HUGE_PAGES", "1").strip().lower() not in ("0", "false", "no", "off")
+    return switched_on("SHARDWISE_HUGE_PAGES")
 
 
 #: Mappings are sized in whole huge pages, so that buffers of nearby sizes share cache entries.

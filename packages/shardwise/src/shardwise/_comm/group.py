@@ -30,7 +30,6 @@ from __future__ import annotations
 import abc
 import contextlib
 import ctypes
-import os
 from typing import Any, Callable, Iterator, Literal, NoReturn, Optional, Sequence, TypeVar, overload
 
 import torch
@@ -69,6 +68,7 @@ from shardwise._comm.checks import (
 from shardwise._comm.hosts import this_host
 from shardwise._vocab import wire as _wire
 from shardwise._vocab.launch import Host, group_by_host
+from shardwise._vocab.switches import switched_on
 
 __all__ = ["VERIFY_ENV", "Group"]
 
@@ -125,7 +125,7 @@ class Group(abc.ABC):
         self._device = torch.device(device)
         self._devices = frozenset(devices)
         if verify is None:
-            verify = os.environ.get(VERIFY_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+            verify = switched_on(VERIFY_ENV)
         self.verify = verify
         self._hosts: Optional[tuple[Host, ...]] = None
 

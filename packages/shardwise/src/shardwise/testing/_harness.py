@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
 
+from shardwise._vocab.switches import switched_on
+
 __all__ = ["RankError", "current_rank_dir", "find_mpiexec", "launcher_free_env", "mpiexec_kind", "run_ranks"]
 
 #: After one rank fails, how long the others get to fail on their own
@@ -316,7 +318,6 @@ class _ForkedRank:
     def poll(self) -> Optional[int]:
         if self.returncode is not None:
             return self.returncode
-        data = b"-"
         if b"\n" not in self._pending:
             try:
                 data = self._conn.recv(4096)
@@ -324,12 +325,12 @@ class _ForkedRank:
                 return None
             except OSError:
                 data = b""
+            if not data:
+                # The zygote went away without a word: the rank cannot be waited for any more.
+                self.returncode = -signal.SIGKILL
             self._pending += data
         if b"\n" in self._pending:
             self.returncode = int(json.loads(self._pending.split(b"\n", 1)[0])["exit"])
-        elif not data:
-            # The zygote went away without a word: the rank cannot be waited for any more.
-            self.returncode = -signal.SIGKILL
         if self.returncode is not None:
             self._conn.close()
         return self.returncode
@@ -350,7 +351,7 @@ _zygotes_lock = threading.Lock()
 
 def _zygote_socket(env: Mapping[str, str]) -> Optional[str]:
     """The socket of a ready zygote for ranks with environment ``env``, started if need be; None: spawn instead."""
-    if not hasattr(os, "fork") or os.environ.get(FORK_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+    if not hasattr(os, "fork") or not switched_on(FORK_ENV):
         return None
     key = tuple(sorted((k, v) for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES)))
     with _zygotes_lock:
