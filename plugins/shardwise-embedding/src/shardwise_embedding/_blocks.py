@@ -13,11 +13,12 @@ import dataclasses
 from typing import Optional, Union
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from shardwise import Group, Shard, ShardMetadata, ShardedTensor, ShardedTensorMetadata, TensorProperties
 from shardwise_embedding._plan_data import Block, TablePlan
 
-__all__ = ["LocalBlock"]
+__all__ = ["LocalBlock", "block_of", "register_block"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,7 +29,7 @@ class LocalBlock:
         table: The table's plan.
         group: The collection's group.
         block: This rank's block; None for a ``data_parallel`` table (the
-            whole table is local).
+            whole table is local) and on a rank holding no block of the table.
     """
 
     table: TablePlan
@@ -42,13 +43,17 @@ class LocalBlock:
 
     @property
     def rows(self) -> tuple[int, int]:
-        """``(start, stop)`` of the local rows."""
-        return (0, self.table.num_embeddings) if self.block is None else self.block.rows
+        """``(start, stop)`` of the local rows (``(0, 0)`` on a rank without a block)."""
+        if self.replicated:
+            return (0, self.table.num_embeddings)
+        return (0, 0) if self.block is None else self.block.rows
 
     @property
     def cols(self) -> tuple[int, int]:
-        """``(start, stop)`` of the local columns."""
-        return (0, self.table.embedding_dim) if self.block is None else self.block.cols
+        """``(start, stop)`` of the local columns (``(0, 0)`` on a rank without a block)."""
+        if self.replicated:
+            return (0, self.table.embedding_dim)
+        return (0, 0) if self.block is None else self.block.cols
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -75,16 +80,19 @@ class LocalBlock:
     def present(self, local: torch.Tensor) -> Union[ShardedTensor, torch.Tensor]:
         """``local`` (this block's shape) as the whole table's ShardedTensor, built without communication.
 
-        For a ``data_parallel`` table ``local`` is the whole table and is returned as it is.
+        For a ``data_parallel`` table ``local`` is the whole table and is
+        returned as it is. On a rank without a block ``local`` only gives the
+        dtype and device (the ShardedTensor has no local shard there).
         """
-        if self.block is None:
+        if self.replicated:
             return local
         shards = [
             ShardMetadata([b.rows[0], b.cols[0]], list(b.shape), self._placement(b.rank, local.device))
             for b in self.table.blocks
         ]
         size = torch.Size([self.table.num_embeddings, self.table.embedding_dim])
-        return self._sharded(local, shards, size, [self.rows[0], self.cols[0]])
+        held = local if self.block is not None else None
+        return self._sharded(held, shards, size, [self.rows[0], self.cols[0]], dtype=local.dtype)
 
     def present_rows(
         self, local: Optional[torch.Tensor], dtype: torch.dtype = torch.float32
@@ -96,7 +104,7 @@ class LocalBlock:
         updates them) and contribute none, so ``local`` may be None there.
         ``dtype`` is the state's dtype (the same on every rank).
         """
-        if self.block is None:
+        if self.replicated:
             assert local is not None
             return local
         first = [b for b in self.table.blocks if b.cols[0] == 0]
@@ -123,3 +131,21 @@ class LocalBlock:
         return ShardedTensor._init_from_local_shards_and_global_metadata(
             local_shards, metadata, process_group=self.group
         )
+
+
+# Which parameter is which table's block: the row-sparse optimizers look it up to name their state after
+# the table and lay it out as the table. Weak keys: a dropped module leaves nothing behind. Keyed by
+# identity (torch's WeakIdKeyDictionary): weakref.WeakKeyDictionary compares tensor keys with ``==``, which
+# is elementwise, so its lookups raise "Boolean value of Tensor ... is ambiguous".
+_BLOCKS = WeakIdKeyDictionary()
+
+
+def register_block(param: torch.Tensor, block: LocalBlock) -> None:
+    """Remember that ``param`` holds ``block`` (called by the sharded collection for each table)."""
+    _BLOCKS[param] = block
+
+
+def block_of(param: torch.Tensor) -> Optional[LocalBlock]:
+    """The :class:`LocalBlock` ``param`` holds, or None for a parameter of no sharded collection."""
+    found = _BLOCKS.get(param)
+    return found if isinstance(found, LocalBlock) else None

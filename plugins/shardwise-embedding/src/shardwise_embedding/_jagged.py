@@ -111,10 +111,14 @@ class KeyedJaggedTensor:
             if offsets.numel() < 1:
                 raise ValueError("offsets must have at least one entry (the start, 0)")
             lengths = offsets[1:] - offsets[:-1]
+            if lengths.numel() and int(lengths.min()) < 0:
+                raise ValueError("offsets must not decrease: each bag starts where the one before it ends or later")
         self._keys = [str(k) for k in keys]
         self._values = _as_1d("values", values, integer=True)
         self._lengths = _as_1d("lengths", lengths, integer=True).to(torch.int64)
         self._weights = None if weights is None else _as_1d("weights", weights, integer=False)
+        if self._weights is not None and not self._weights.is_floating_point():
+            raise TypeError(f"weights must be floating point, got {self._weights.dtype}")
         self._stride = self._infer_stride(stride)
         self._offsets: Optional[torch.Tensor] = None
         self._length_per_key: Optional[list[int]] = None
@@ -122,7 +126,9 @@ class KeyedJaggedTensor:
     def _infer_stride(self, stride: Optional[int]) -> int:
         n_keys = len(self._keys)
         if stride is not None:
-            return int(stride)
+            if isinstance(stride, bool) or not isinstance(stride, int) or stride < 0:
+                raise ValueError(f"stride (the batch size) must be an int >= 0, got {stride!r}")
+            return stride
         if n_keys == 0:
             return 0
         if self._lengths.numel() % n_keys:
@@ -187,7 +193,8 @@ class KeyedJaggedTensor:
     @classmethod
     def empty(cls, keys: Sequence[str] = (), stride: int = 0) -> KeyedJaggedTensor:
         """A batch of ``stride`` samples with every bag empty."""
-        return cls(keys, torch.empty(0, dtype=torch.int64), lengths=torch.zeros(len(keys) * stride, dtype=torch.int64))
+        lengths = torch.zeros(len(keys) * stride, dtype=torch.int64)
+        return cls(keys, torch.empty(0, dtype=torch.int64), lengths=lengths, stride=stride)
 
     @classmethod
     def concat(cls, kjts: Sequence[KeyedJaggedTensor]) -> KeyedJaggedTensor:
@@ -332,8 +339,15 @@ class KeyedJaggedTensor:
         return out
 
     def permute(self, indices: Sequence[int]) -> KeyedJaggedTensor:
-        """A KeyedJaggedTensor with keys ``[keys[i] for i in indices]`` (a key may be left out or repeated)."""
-        return self._select(list(indices))
+        """A KeyedJaggedTensor with keys ``[keys[i] for i in indices]`` (a key may be left out or repeated).
+
+        Raises:
+            IndexError: an index outside ``0 .. len(keys) - 1``.
+        """
+        bad = [i for i in indices if not 0 <= int(i) < len(self._keys)]
+        if bad:
+            raise IndexError(f"permute indices {bad} are not in 0..{len(self._keys) - 1} (the {len(self._keys)} keys)")
+        return self._select([int(i) for i in indices])
 
     def select(self, keys: Sequence[str]) -> KeyedJaggedTensor:
         """A KeyedJaggedTensor of only ``keys``, in that order.
@@ -403,6 +417,13 @@ class KeyedTensor:
     def __init__(self, keys: Sequence[str], length_per_key: Sequence[int], values: torch.Tensor) -> None:
         self._keys = list(keys)
         self._length_per_key = [int(n) for n in length_per_key]
+        if len(self._keys) != len(self._length_per_key):
+            raise ValueError(f"{len(self._keys)} keys but {len(self._length_per_key)} lengths")
+        if values.dim() != 2 or values.shape[1] != sum(self._length_per_key):
+            raise ValueError(
+                f"values must be [batch, {sum(self._length_per_key)}] (the keys' columns side by side), "
+                f"got {tuple(values.shape)}"
+            )
         self._values = values
 
     def keys(self) -> list[str]:

@@ -51,6 +51,10 @@ class EmbeddingBagConfig:
     dtype: torch.dtype = torch.float32
 
     def __post_init__(self) -> None:
+        if isinstance(self.feature_names, str):
+            raise TypeError(
+                f"table {self.name!r}: feature_names must be a list of names, got the string {self.feature_names!r}"
+            )
         object.__setattr__(self, "feature_names", tuple(str(f) for f in self.feature_names))
         try:
             pooling = PoolingType(getattr(self.pooling, "value", self.pooling))
@@ -128,6 +132,22 @@ def check_input(kjt: Any, features: Sequence[str]) -> None:
         raise KeyError(f"the input lacks features {missing}: give every feature a (possibly empty) bag per sample")
 
 
+def check_weights_pooling(kjt: KeyedJaggedTensor, tables: Sequence[EmbeddingBagConfig]) -> None:
+    """Per-id weights only with sum pooling, as ``nn.EmbeddingBag``.
+
+    Raises:
+        ValueError: the input has weights and some table pools by mean.
+    """
+    if kjt.weights_or_none() is None:
+        return
+    means = [t.name for t in tables if t.pooling == "mean"]
+    if means:
+        raise ValueError(
+            f"the input has per-id weights but tables {means} pool by mean; like nn.EmbeddingBag, "
+            "weights need pooling='sum'"
+        )
+
+
 class EmbeddingBagCollection(nn.Module):
     """Many embedding-bag tables, dense on one process: the reference a sharded collection equals.
 
@@ -182,6 +202,7 @@ class EmbeddingBagCollection(nn.Module):
         order = feature_order(self._tables)
         names = [f for f, _ in order]
         check_input(features, names)
+        check_weights_pooling(features, self._tables)
         pooled = []
         for f, t in order:
             bags = features[f]

@@ -1,0 +1,408 @@
+"""The sharded embedding-bag collection: many tables, one input and one output exchange per step.
+
+:func:`shard_collection` cuts a dense :class:`EmbeddingBagCollection` by an
+:class:`EmbeddingShardingPlan`: each rank keeps its blocks (and the whole of
+every ``data_parallel`` table) as parameters. In ``forward`` every rank passes
+its own batch and gets its own batch's pooled vectors, equal to the dense
+collection's; ``backward`` (collective: every rank calls it) leaves in each
+block's gradient the matching rows of the dense gradient of all ranks' losses
+(a sparse gradient unless ``sparse_grad=False``), and in each
+``data_parallel`` table's the sum over ranks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import shardwise.nn.functional as dist_f
+from shardwise import Group, ShardedTensor, sdk
+from shardwise_embedding._blocks import LocalBlock, register_block
+from shardwise_embedding._exchange import Routes, parse_inbox, route_ids
+from shardwise_embedding._jagged import KeyedJaggedTensor, KeyedTensor
+from shardwise_embedding._plan_data import EmbeddingShardingPlan, PlanError
+from shardwise_embedding._tables import (
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    check_input,
+    check_weights_pooling,
+    feature_order,
+)
+
+__all__ = ["ShardedEmbeddingBagCollection", "shard_collection"]
+
+OP = "EmbeddingBagCollection"
+
+
+class _LocalTable(nn.Module):
+    """One table's local part; in the state dict, the whole table (a ShardedTensor unless replicated)."""
+
+    def __init__(self, block: LocalBlock, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.local_block = block
+        self.weight = nn.Parameter(weight)
+        register_block(self.weight, block)
+
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        weight = self.weight if keep_vars else self.weight.detach()
+        destination[prefix + "weight"] = self.local_block.present(weight)
+
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: Any,
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        key = prefix + "weight"
+        if key not in state_dict:
+            missing_keys.append(key)
+            return
+        value = state_dict[key]
+        block = self.local_block
+        with torch.no_grad():
+            if isinstance(value, ShardedTensor):
+                offsets = [block.rows[0], block.cols[0]]
+                found = [s for s in value.local_shards() if list(s.metadata.shard_offsets) == offsets]
+                if block.block is None and not block.replicated:
+                    return
+                if not found or tuple(found[0].tensor.shape) != tuple(self.weight.shape):
+                    error_msgs.append(
+                        f"{key}: the ShardedTensor given holds no shard matching this rank's block "
+                        f"{block.block}; load a checkpoint saved under another plan with "
+                        "shardwise.checkpoint.load(sharded.state_dict(), path), which reshards"
+                    )
+                    return
+                self.weight.copy_(found[0].tensor)
+                return
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != (
+                block.table.num_embeddings,
+                block.table.embedding_dim,
+            ):
+                shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                error_msgs.append(
+                    f"{key}: expected the whole table {block.table.num_embeddings} x {block.table.embedding_dim} "
+                    f"(or a ShardedTensor), got {shape}"
+                )
+                return
+            (r0, r1), (c0, c1) = block.rows, block.cols
+            self.weight.copy_(value[r0:r1, c0:c1])
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """Identity on the replicated tables; in backward, one all-reduce adds every rank's gradients of all of them."""
+
+    @staticmethod
+    def forward(ctx: Any, group: Group, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.group = group
+        ctx.shapes = [w.shape for w in weights]
+        return tuple(w.view_as(w) for w in weights)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
+        filled = [torch.zeros(s) if g is None else g for g, s in zip(grads, ctx.shapes, strict=True)]
+        flat = torch.cat([g.reshape(-1) for g in filled])
+        ctx.group.all_reduce(flat, "sum")
+        out = []
+        for piece, s in zip(flat.split([g.numel() for g in filled]), ctx.shapes, strict=True):
+            out.append(piece.view(s))
+        return (None, *out)
+
+
+def _fingerprint(tables: Sequence[EmbeddingBagConfig], plan: EmbeddingShardingPlan) -> str:
+    cfg = [[t.name, t.num_embeddings, t.embedding_dim, list(t.feature_names), t.pooling, str(t.dtype)] for t in tables]
+    body = json.dumps({"tables": cfg, "plan": [t.to_dict() | {"reason": ""} for t in plan.tables]}, sort_keys=True)
+    return hashlib.sha256(body.encode()).hexdigest()[:16]
+
+
+class ShardedEmbeddingBagCollection(nn.Module):
+    """An :class:`EmbeddingBagCollection` sharded by a plan over a group (made by :func:`shard_collection`).
+
+    Attributes:
+        embedding_bags: One module per table holding this rank's part of it
+            as ``weight`` (state-dict key ``embedding_bags.<table>.weight``: a
+            ShardedTensor of the whole table, or the table itself when
+            ``data_parallel``).
+        plan: The plan it executes.
+        group: The group its ranks form.
+        last_exchange_bytes: ``(sent, received)`` bytes of the last forward's
+            two exchanges on this rank.
+    """
+
+    def __init__(
+        self,
+        ebc: EmbeddingBagCollection,
+        plan: EmbeddingShardingPlan,
+        group: Group,
+        sparse_grad: bool = True,
+    ) -> None:
+        super().__init__()
+        tables = ebc.embedding_bag_configs()
+        if not isinstance(plan, EmbeddingShardingPlan):
+            group.reject(
+                TypeError(f"plan must be an EmbeddingShardingPlan, got {type(plan).__name__}"), op="shard_collection"
+            )
+
+        def check() -> str:
+            plan.check(tables, group.size)
+            return _fingerprint(tables, plan)
+
+        prints = group.agree(check, op="shard_collection", gather=True)
+        if len(set(prints)) > 1:
+            groups: dict[str, list[int]] = {}
+            for r, p in enumerate(prints):
+                groups.setdefault(p, []).append(r)
+            raise PlanError(
+                "ranks passed different plans or tables to shard_collection: "
+                + "; ".join(f"ranks {v} agree with each other" for v in groups.values())
+                + ". Make the plan once (e.g. on rank 0, or with the same planner arguments everywhere) "
+                "and give every rank the same one (EmbeddingShardingPlan.from_json)"
+            )
+        self.plan = plan
+        self.group = group
+        self.sparse_grad = sparse_grad
+        self._tables = tables
+        self._order = feature_order(tables)
+        plans = [plan[t.name] for t in tables]
+        self._routes = Routes.build(tables, plans, group.size)
+        self._dtype = tables[0].dtype if tables else torch.float32
+        for t in tables[1:]:
+            self._dtype = torch.promote_types(self._dtype, t.dtype)
+        self.embedding_bags = nn.ModuleDict()
+        for t, p in zip(tables, plans, strict=True):
+            dense = ebc._weight(t.name)
+            block = LocalBlock(p, group, p.block_of(group.rank))
+            (r0, r1), (c0, c1) = block.rows, block.cols
+            self.embedding_bags[t.name] = _LocalTable(block, dense.detach()[r0:r1, c0:c1].clone())
+        self.last_exchange_bytes = (0, 0)
+
+    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
+        """The tables, in order."""
+        return list(self._tables)
+
+    def local_block(self, table: str) -> LocalBlock:
+        """This rank's part of ``table``."""
+        module = self.embedding_bags[table]
+        assert isinstance(module, _LocalTable)
+        return module.local_block
+
+    def _weight(self, name: str) -> torch.Tensor:
+        module = self.embedding_bags[name]
+        assert isinstance(module, _LocalTable)
+        return module.weight
+
+    def _check(self, kjt: Any) -> KeyedJaggedTensor:
+        names = [f for f, _ in self._order]
+        check_input(kjt, names)
+        assert isinstance(kjt, KeyedJaggedTensor)
+        kjt.validate()
+        check_weights_pooling(kjt, self._tables)
+        if kjt.keys() != names:
+            kjt = kjt.select(names)
+        for (f, t), bag in zip(self._order, kjt.split([1] * len(names)), strict=True):
+            ids = bag.values()
+            if ids.numel():
+                lo, hi = int(ids.min()), int(ids.max())
+                if lo < 0 or hi >= t.num_embeddings:
+                    bad = lo if lo < 0 else hi
+                    raise IndexError(
+                        f"feature {f!r}: id {bad} is out of table {t.name!r}'s rows 0..{t.num_embeddings - 1}"
+                    )
+        return kjt
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        """Pool this rank's batch; collective: every rank of the group calls it, each with its own batch.
+
+        Args:
+            features: This rank's bags, keyed by the collection's features
+                (any order; every feature present).
+
+        Returns:
+            This rank's ``[batch, sum of dims]`` pooled vectors, features in
+            the collection's order.
+
+        Raises:
+            KeyError: a feature with no table, or one missing (on this rank;
+                the others raise PeerError).
+            IndexError: an id outside its table's rows.
+            ValueError: lengths that do not add up to the ids, or weights
+                with mean pooling.
+            PeerError: another rank's input was bad.
+        """
+        group = self.group
+        try:
+            kjt = self._check(features)
+        except (KeyError, IndexError, ValueError, TypeError) as exc:
+            group.reject(exc, op=OP)
+        batch = kjt.stride()
+        per_table = dict(zip([t.name for t in self._tables], self._split_by_table(kjt), strict=True))
+        replicated = [t for t in self._tables if self.plan[t.name].sharding_type == "data_parallel"]
+        # The replicated tables' gradient sum is created before the exchange so that, in backward,
+        # autograd runs it after the exchange's backward on every rank (a later node runs first).
+        synced = dict(
+            zip(
+                [t.name for t in replicated],
+                _SumOverRanks.apply(group, *[self._weight(t.name) for t in replicated]) if replicated else (),
+                strict=True,
+            )
+        )
+        routes = self._routes
+        sharded = [per_table[r.config.name] for r in routes.sharded]
+        messages = route_ids(routes, [s[0] for s in sharded], [s[1] for s in sharded], [s[2] for s in sharded], batch)
+        received = group.all_to_all(messages)
+        sent_bytes = sum(m.numel() * 8 for m in messages)
+        recv_bytes = sum(m.numel() * 8 for m in received)
+        inboxes = parse_inbox(routes, group.rank, received, self._dtype)
+        pooled_out = self._pool_owned(inboxes)
+        pieces = self._exchange_pooled(pooled_out, inboxes, batch)
+        sent_bytes += sum(p.numel() * p.element_size() for p in pooled_out)
+        recv_bytes += sum(p.numel() * p.element_size() for p in pieces)
+        self.last_exchange_bytes = (sent_bytes, recv_bytes)
+        columns = self._assemble(pieces, batch, per_table, synced)
+        values = torch.cat(columns, dim=1) if columns else torch.empty(batch, 0, dtype=self._dtype)
+        return KeyedTensor([f for f, _ in self._order], [t.embedding_dim for _, t in self._order], values)
+
+    def _split_by_table(
+        self, kjt: KeyedJaggedTensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]:
+        """Each table's ids, lengths (features x batch, key-major) and weights; ``kjt`` in feature order."""
+        out = []
+        for part in kjt.split([len(t.feature_names) for t in self._tables]):
+            out.append((part.values().to(torch.int64), part.lengths(), part.weights_or_none()))
+        return out
+
+    def _pool_owned(self, inboxes: Sequence[Any]) -> list[torch.Tensor]:
+        """Pool every block this rank holds for every rank's bags; one flat tensor per destination rank."""
+        group, routes = self.group, self._routes
+        per_dest: list[list[torch.Tensor]] = [[] for _ in range(group.size)]
+        for k, inbox in zip(routes.tables_of_rank[group.rank], inboxes, strict=True):
+            weight = self._weight(routes.sharded[k].config.name)
+            pooled = F.embedding_bag(
+                inbox.ids,
+                weight,
+                inbox.offsets,
+                mode="sum",
+                per_sample_weights=inbox.weights,
+                include_last_offset=True,
+                sparse=self.sparse_grad,
+            ).to(self._dtype)
+            for r, rows in enumerate(pooled.split(inbox.rows_from)):
+                per_dest[r].append(rows.reshape(-1))
+        device = self._device()
+        return [torch.cat(p) if p else torch.empty(0, dtype=self._dtype, device=device) for p in per_dest]
+
+    def _device(self) -> torch.device:
+        for p in self.parameters():
+            return p.device
+        return torch.device("cpu")
+
+    def _exchange_pooled(
+        self, pooled_out: list[torch.Tensor], inboxes: Sequence[Any], batch: int
+    ) -> list[torch.Tensor]:
+        """Send each rank its partial bags; return, per owner rank, what it sent here (autograd-aware)."""
+        group, routes = self.group, self._routes
+        device = self._device()
+        outputs = []
+        for owner in range(group.size):
+            n = 0
+            for k in routes.tables_of_rank[owner]:
+                route = routes.sharded[k]
+                c0, c1 = route.cuts[route.cut_of_rank[owner]].cols
+                n += len(route.config.feature_names) * batch * (c1 - c0)
+            outputs.append(torch.empty(n, dtype=self._dtype, device=device))
+        return list(dist_f.all_to_all(outputs, pooled_out, group=group))
+
+    def _assemble(
+        self,
+        pieces: list[torch.Tensor],
+        batch: int,
+        per_table: dict[str, tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]],
+        synced: dict[str, torch.Tensor],
+    ) -> list[torch.Tensor]:
+        """Each feature's ``[batch, dim]`` pooled vectors, in output order."""
+        routes = self._routes
+        # Each owner's message holds its tables in plan order: walk them to find each block's partial bags.
+        partial: dict[tuple[int, int], list[torch.Tensor]] = {}
+        for owner, flat in enumerate(pieces):
+            pos = 0
+            for k in routes.tables_of_rank[owner]:
+                route = routes.sharded[k]
+                c = route.cut_of_rank[owner]
+                c0, c1 = route.cuts[c].cols
+                n_feat = len(route.config.feature_names)
+                size = n_feat * batch * (c1 - c0)
+                partial.setdefault((k, c), []).append(flat[pos : pos + size].view(n_feat, batch, c1 - c0))
+                pos += size
+        by_name = {r.config.name: k for k, r in enumerate(routes.sharded)}
+        columns = []
+        for t in self._tables:
+            ids, lengths, weights = per_table[t.name]
+            n_feat = len(t.feature_names)
+            if t.name in synced:
+                offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
+                torch.cumsum(lengths, 0, out=offsets[1:])
+                pooled = F.embedding_bag(
+                    ids, synced[t.name], offsets, mode=t.pooling, per_sample_weights=weights, include_last_offset=True
+                )
+                columns += list(pooled.to(self._dtype).view(n_feat, batch, t.embedding_dim).unbind(0))
+                continue
+            k = by_name[t.name]
+            cuts = []
+            for c in range(len(routes.sharded[k].cuts)):
+                parts = partial[(k, c)]
+                total = parts[0]
+                for p in parts[1:]:
+                    total = total + p
+                cuts.append(total)
+            table = torch.cat(cuts, dim=2) if len(cuts) > 1 else cuts[0]
+            if t.pooling == "mean":
+                count = lengths.view(n_feat, batch, 1).clamp(min=1).to(table.dtype)
+                table = table / count
+            columns += list(table.unbind(0))
+        return [c.to(t.dtype) if c.dtype != t.dtype else c for c, (_, t) in zip(columns, self._order, strict=True)]
+
+
+def shard_collection(
+    ebc: EmbeddingBagCollection,
+    plan: EmbeddingShardingPlan,
+    process_group: Any = None,
+    *,
+    sparse_grad: bool = True,
+) -> ShardedEmbeddingBagCollection:
+    """Shard a dense collection by a plan; collective: every rank of the group calls it.
+
+    Every rank passes the same collection (the same tables with the same
+    values, e.g. built after the same ``torch.manual_seed``) and the same plan.
+
+    Args:
+        ebc: The dense collection whose tables' values the shards start from.
+        plan: Where each table goes; made for this group's size and these tables.
+        process_group: A shardwise Group, a torch ProcessGroup or None (the default group).
+        sparse_grad: Blocks get sparse (row) gradients, which the row-sparse
+            optimizers (and torch's SGD, Adagrad, SparseAdam) step in time
+            proportional to the rows touched. False: dense gradients, for
+            any torch optimizer.
+
+    Returns:
+        The sharded collection.
+
+    Raises:
+        PlanError: (every rank) the plan is for another world size or other
+            tables, is malformed, or ranks passed different plans.
+        TypeError: ``ebc`` is not an EmbeddingBagCollection.
+    """
+    group = sdk.resolve_group(process_group)
+    if not isinstance(ebc, EmbeddingBagCollection):
+        group.reject(
+            TypeError(f"shard_collection takes an EmbeddingBagCollection, got {type(ebc).__name__}"),
+            op="shard_collection",
+        )
+    return ShardedEmbeddingBagCollection(ebc, plan, group, sparse_grad=sparse_grad)

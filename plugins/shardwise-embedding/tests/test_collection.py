@@ -1,0 +1,182 @@
+"""The sharded embedding-bag collection against the dense one: forward, backward, every sharding type.
+
+Each rank runs a battery of cases (one launch per world size); in each case
+every rank shards the same dense collection by a plan, looks up its own batch,
+and backpropagates a loss of its own. Each rank then rebuilds every rank's
+batch and checks its output against the dense collection on its batch, and
+its blocks' gradients against the dense gradient of all ranks' losses.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+import torch
+from collection_helpers import batch, dense_collection, every_type_plan, every_type_tables, probe
+from emb_helpers import battery, battery_results
+from shardwise_embedding._collection import shard_collection
+from shardwise_embedding._plan_data import make_blocks
+
+import shardwise
+from shardwise import ShardedTensor
+
+WORLD_SIZES = (1, 2, 3, 4)
+
+
+def _grad_of(param: torch.Tensor) -> torch.Tensor:
+    g = param.grad
+    assert g is not None, "no gradient"
+    return g.to_dense() if g.is_sparse else g
+
+
+def _check_against_dense(
+    tables: Any, plan: Any, *, weighted: bool, sizes: list[int], seed: str, steps: int = 1, sparse: bool = True
+) -> None:
+    group = shardwise.get_default_group()
+    world, rank = group.size, group.rank
+    ebc = dense_collection(tables)
+    sharded = shard_collection(ebc, plan, sparse_grad=sparse)
+    width = sum(t.embedding_dim * len(t.feature_names) for t in tables)
+    for step in range(steps):
+        order = list(reversed([f for t in tables for f in t.feature_names]))  # any key order is accepted
+        kjt = batch(tables, sizes[rank], seed, rank, step, weighted=weighted, keys_order=order)
+        out = sharded(kjt)
+        (out.values() * probe(width, sizes[rank], seed, rank, step)).sum().backward()
+        ebc.zero_grad()
+        total = None
+        for r in range(world):
+            dense_out = ebc(batch(tables, sizes[r], seed, r, step, weighted=weighted, keys_order=order))
+            loss = (dense_out.values() * probe(width, sizes[r], seed, r, step)).sum()
+            total = loss if total is None else total + loss
+            if r == rank:
+                assert out.keys() == dense_out.keys()
+                torch.testing.assert_close(out.values(), dense_out.values().detach(), rtol=1e-9, atol=1e-9)
+        assert total is not None
+        total.backward()
+        for t in tables:
+            local = sharded.embedding_bags[t.name]
+            block = local.local_block
+            (r0, r1), (c0, c1) = block.rows, block.cols
+            dense_grad = ebc.embedding_bags[t.name].weight.grad[r0:r1, c0:c1]
+            if local.weight.numel():
+                torch.testing.assert_close(_grad_of(local.weight), dense_grad, rtol=1e-9, atol=1e-9)
+            local.weight.grad = None
+
+
+def _cases() -> dict[str, Callable[[], None]]:
+    world = shardwise.get_default_group().size
+    sum_tables = every_type_tables("sum")
+    mean_tables = every_type_tables("mean")
+    sizes = [3 + r for r in range(world)]
+    return {
+        "every_type_sum_weighted": lambda: _check_against_dense(
+            sum_tables, every_type_plan(sum_tables, world), weighted=True, sizes=sizes, seed="w", steps=2
+        ),
+        "every_type_mean": lambda: _check_against_dense(
+            mean_tables, every_type_plan(mean_tables, world), weighted=False, sizes=sizes, seed="m"
+        ),
+        "a_rank_with_no_samples": lambda: _check_against_dense(
+            sum_tables, every_type_plan(sum_tables, world), weighted=False, sizes=[0] + sizes[1:], seed="e"
+        ),
+        "dense_gradients": lambda: _check_against_dense(
+            sum_tables, every_type_plan(sum_tables, world), weighted=False, sizes=sizes, seed="d", sparse=False
+        ),
+        "exactly_two_exchanges_per_forward": _count_exchanges,
+        "state_dict_holds_sharded_tensors": _state_dict_case,
+    }
+
+
+def _count_exchanges() -> None:
+    group = shardwise.get_default_group()
+    tables = every_type_tables("sum")
+    sharded = shard_collection(dense_collection(tables), every_type_plan(tables, group.size))
+    calls: list[str] = []
+    names = ("all_to_all", "all_to_all_single", "all_reduce", "all_gather", "reduce_scatter", "broadcast", "agree")
+    originals = {n: getattr(group, n) for n in names}
+
+    def counting(name: str) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls.append(name)
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    for n in names:
+        setattr(group, n, counting(n))
+    try:
+        out = sharded(batch(tables, 5, "count", group.rank))
+        forward_calls = list(calls)
+        out.values().sum().backward()
+    finally:
+        for n in names:
+            delattr(group, n)
+    # ids and lengths of every table out in one all-to-all, pooled vectors of every table back in another
+    assert len(forward_calls) == 2 and all(c.startswith("all_to_all") for c in forward_calls), forward_calls
+    # backward: the pooled vectors' gradients retrace the second exchange, then one sum of the replicated tables'
+    backward_calls = calls[2:]
+    assert len(backward_calls) == 2, backward_calls
+    assert backward_calls[0].startswith("all_to_all") and backward_calls[1] == "all_reduce", backward_calls
+
+
+def _state_dict_case() -> None:
+    group = shardwise.get_default_group()
+    tables = every_type_tables("sum")
+    ebc = dense_collection(tables)
+    sharded = shard_collection(ebc, every_type_plan(tables, group.size))
+    state = sharded.state_dict()
+    assert sorted(state) == sorted(f"embedding_bags.{t.name}.weight" for t in tables)
+    for t in tables:
+        value = state[f"embedding_bags.{t.name}.weight"]
+        if t.name == "dp":
+            assert isinstance(value, torch.Tensor) and not isinstance(value, ShardedTensor)
+            continue
+        assert isinstance(value, ShardedTensor)
+        assert tuple(value.size()) == (t.num_embeddings, t.embedding_dim)
+        dense = ebc.embedding_bags[t.name].weight.detach()
+        for shard in value.local_shards():
+            (r0, c0), (nr, nc) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+            torch.testing.assert_close(shard.tensor, dense[r0 : r0 + nr, c0 : c0 + nc])
+    # A fresh sharding loads the state dict back (same plan): values equal.
+    other = shard_collection(dense_collection(tables, seed=7), every_type_plan(tables, group.size))
+    other.load_state_dict(state)
+    for t in tables:
+        torch.testing.assert_close(other.embedding_bags[t.name].weight, sharded.embedding_bags[t.name].weight)
+
+
+def _battery_rank(results_dir: str, only: tuple[str, ...]) -> dict[str, str]:
+    return battery(_cases(), results_dir, only)
+
+
+CASES = (
+    "every_type_sum_weighted",
+    "every_type_mean",
+    "a_rank_with_no_samples",
+    "dense_gradients",
+    "exactly_two_exchanges_per_forward",
+    "state_dict_holds_sharded_tensors",
+)
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("case", CASES)
+def test_collection_equals_dense(world_size: int, case: str) -> None:
+    results = battery_results(_battery_rank, world_size, CASES)
+    for rank, seen in enumerate(results):
+        assert seen.get(case) == "ok", f"rank {rank}: {seen.get(case)}"
+
+
+def test_make_blocks_tile_every_type() -> None:
+    for kind, ranks, cols in (
+        ("table_wise", [2], 1),
+        ("row_wise", [0, 1, 2], 1),
+        ("column_wise", [1, 0], 1),
+        ("table_row_wise", [3, 2], 1),
+        ("grid", [0, 1, 2, 3], 2),
+    ):
+        blocks = make_blocks(kind, 11, 7, ranks, cols)
+        cells = torch.zeros(11, 7, dtype=torch.int64)
+        for b in blocks:
+            cells[b.rows[0] : b.rows[1], b.cols[0] : b.cols[1]] += 1
+        assert bool((cells == 1).all()), kind
+
