@@ -1,4 +1,12 @@
-"""shardwise sharded ops ``embedding`` and ``embedding_bag`` for chunk-sharded weights.
+"""shardwise sharded embeddings: the ops ``embedding`` and ``embedding_bag``, and embedding collections.
+
+**Collections** (TorchRec's names): :class:`KeyedJaggedTensor` input,
+:class:`EmbeddingBagConfig` tables, the dense :class:`EmbeddingBagCollection`,
+an :class:`EmbeddingShardingPlan` (from :class:`EmbeddingShardingPlanner`, or
+by hand), and :func:`shard_collection`, which shards a collection by a plan
+over a group: one input and one output exchange per step for all tables.
+
+**Ops** on chunk-sharded weights:
 
 Importing this package registers nothing: the ops reach shardwise through the
 ``shardwise_sharded_ops`` hook of :mod:`shardwise_embedding.plugin`, which
@@ -18,9 +26,42 @@ from typing import Any, Optional
 import torch
 
 from shardwise_embedding import _ops
+from shardwise_embedding._blocks import LocalBlock
+from shardwise_embedding._collection import ShardedEmbeddingBagCollection, shard_collection
+from shardwise_embedding._jagged import JaggedTensor, KeyedJaggedTensor, KeyedTensor
+from shardwise_embedding._plan_data import (
+    SHARDING_TYPES,
+    Block,
+    EmbeddingShardingPlan,
+    PlanError,
+    RankLoad,
+    TablePlan,
+    make_blocks,
+)
+from shardwise_embedding._tables import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
 
 __version__ = "0.1.0"
-__all__ = ["__version__", "sharded_embedding", "sharded_embedding_bag"]
+__all__ = [
+    "SHARDING_TYPES",
+    "Block",
+    "EmbeddingBagCollection",
+    "EmbeddingBagConfig",
+    "EmbeddingShardingPlan",
+    "JaggedTensor",
+    "KeyedJaggedTensor",
+    "KeyedTensor",
+    "LocalBlock",
+    "PlanError",
+    "PoolingType",
+    "RankLoad",
+    "ShardedEmbeddingBagCollection",
+    "TablePlan",
+    "__version__",
+    "make_blocks",
+    "shard_collection",
+    "sharded_embedding",
+    "sharded_embedding_bag",
+]
 
 
 def sharded_embedding(types: Any, args: Any, kwargs: Optional[dict[str, Any]], pg: Any) -> torch.Tensor:

@@ -123,6 +123,28 @@ def _fingerprint(tables: Sequence[EmbeddingBagConfig], plan: EmbeddingShardingPl
     return hashlib.sha256(body.encode()).hexdigest()[:16]
 
 
+def _check_budget(tables: Sequence[EmbeddingBagConfig], plan: EmbeddingShardingPlan) -> None:
+    """The tables' bytes on each rank fit the plan's per-rank budget, if it has one (a hand edit may break it)."""
+    budget = plan.memory_budget_bytes
+    if budget is None:
+        return
+    held = [0] * plan.world_size
+    for t in tables:
+        p = plan[t.name]
+        if p.sharding_type == "data_parallel":
+            for r in range(plan.world_size):
+                held[r] += t.bytes
+        for b in p.blocks:
+            held[b.rank] += b.shape[0] * b.shape[1] * t.dtype.itemsize
+    over = [(r, n) for r, n in enumerate(held) if n > budget]
+    if over:
+        worst = ", ".join(f"rank {r}: {n} bytes" for r, n in over)
+        raise PlanError(
+            f"the plan does not fit its memory budget of {budget} bytes per rank ({worst}, tables alone); "
+            "plan again (EmbeddingShardingPlanner(..., memory_budget_bytes=...)) or raise the budget"
+        )
+
+
 class ShardedEmbeddingBagCollection(nn.Module):
     """An :class:`EmbeddingBagCollection` sharded by a plan over a group (made by :func:`shard_collection`).
 
@@ -153,6 +175,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
 
         def check() -> str:
             plan.check(tables, group.size)
+            _check_budget(tables, plan)
             return _fingerprint(tables, plan)
 
         prints = group.agree(check, op="shard_collection", gather=True)
@@ -199,10 +222,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
         assert isinstance(module, _LocalTable)
         return module.weight
 
-    def _check(self, kjt: Any) -> KeyedJaggedTensor:
+    def _check(self, given: Any) -> KeyedJaggedTensor:
         names = [f for f, _ in self._order]
-        check_input(kjt, names)
-        assert isinstance(kjt, KeyedJaggedTensor)
+        check_input(given, names)
+        kjt: KeyedJaggedTensor = given
         kjt.validate()
         check_weights_pooling(kjt, self._tables)
         if kjt.keys() != names:
