@@ -13,10 +13,18 @@ from typing import Any, Callable
 
 import pytest
 import torch
-from collection_helpers import batch, dense_collection, every_type_plan, every_type_tables, probe
-from emb_helpers import battery, battery_results
+from collection_helpers import DT, batch, dense_collection, every_type_plan, every_type_tables, probe
+from emb_helpers import battery, battery_results, run
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from shardwise_embedding import (
+    SHARDING_TYPES,
+    EmbeddingBagConfig,
+    EmbeddingShardingPlan,
+    TablePlan,
+    make_blocks,
+)
 from shardwise_embedding._collection import shard_collection
-from shardwise_embedding._plan_data import make_blocks
 
 import shardwise
 from shardwise import ShardedTensor
@@ -180,3 +188,72 @@ def test_make_blocks_tile_every_type() -> None:
             cells[b.rows[0] : b.rows[1], b.cols[0] : b.cols[1]] += 1
         assert bool((cells == 1).all()), kind
 
+
+# -- hypothesis: random tables, random plans, random batches -------------------------------------------------
+
+
+@st.composite
+def _case_specs(draw: Any, world: int) -> dict[str, Any]:
+    n_tables = draw(st.integers(1, 4))
+    tables, plans = [], []
+    for i in range(n_tables):
+        rows, dim = draw(st.integers(1, 40)), draw(st.integers(1, 9))
+        n_feat = draw(st.integers(1, 2))
+        pooling = draw(st.sampled_from(["sum", "mean"]))
+        kind = draw(st.sampled_from(SHARDING_TYPES))
+        order = draw(st.permutations(list(range(world))))
+        cols = 1
+        if kind == "table_wise":
+            ranks = order[:1]
+        elif kind == "row_wise":
+            ranks = order
+        elif kind in ("column_wise", "table_row_wise"):
+            ranks = order[: draw(st.integers(1, world))]
+        elif kind == "grid":
+            cols = draw(st.sampled_from([c for c in (1, 2) if c <= world]))
+            ranks = order[: cols * draw(st.integers(1, world // cols))]
+        else:
+            ranks = order
+        tables.append([f"t{i}", rows, dim, [f"t{i}f{j}" for j in range(n_feat)], pooling])
+        plans.append([kind, ranks, cols])
+    sizes = [draw(st.integers(0, 4)) for _ in range(world)]
+    weighted = draw(st.booleans())
+    return {"tables": tables, "plans": plans, "sizes": sizes, "weighted": weighted}
+
+
+def _build(spec: dict[str, Any], world: int) -> tuple[list[EmbeddingBagConfig], EmbeddingShardingPlan]:
+    weighted = spec["weighted"]
+    tables = [
+        EmbeddingBagConfig(
+            name=n, num_embeddings=r, embedding_dim=d, feature_names=f, pooling="sum" if weighted else p, dtype=DT
+        )
+        for n, r, d, f, p in spec["tables"]
+    ]
+    plans = []
+    for t, (kind, ranks, cols) in zip(tables, spec["plans"], strict=True):
+        blocks = make_blocks(kind, t.num_embeddings, t.embedding_dim, ranks, cols)
+        used = tuple(sorted({b.rank for b in blocks})) if blocks else tuple(range(world))
+        plans.append(TablePlan(t.name, kind, used, t.num_embeddings, t.embedding_dim, blocks))
+    return tables, EmbeddingShardingPlan(world, tuple(plans))
+
+
+def _random_cases(specs: list[dict[str, Any]]) -> list[str]:
+    world = shardwise.get_default_group().size
+    cases = {}
+    for i, spec in enumerate(specs):
+        tables, plan = _build(spec, world)
+        cases[f"case{i}"] = lambda tables=tables, plan=plan, spec=spec, i=i: _check_against_dense(
+            tables, plan, weighted=spec["weighted"], sizes=spec["sizes"], seed=f"h{i}"
+        )
+    results = battery(cases)
+    return [f"{name}: {spec} -> {results.get(name, 'not run')}" for name, spec in zip(cases, specs, strict=True)
+            if results.get(name) != "ok"]
+
+
+@pytest.mark.parametrize("world_size", (2, 3, 4))
+@settings(max_examples=2, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_random_tables_and_plans_equal_dense(world_size: int, data: Any) -> None:
+    specs = data.draw(st.lists(_case_specs(world_size), min_size=8, max_size=8))
+    failures = run(_random_cases, world_size, specs)
+    assert all(not f for f in failures), "\n".join(x for f in failures for x in f)

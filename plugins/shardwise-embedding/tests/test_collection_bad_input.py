@@ -15,9 +15,9 @@ import pytest
 import torch
 from collection_helpers import batch, dense_collection, every_type_plan, every_type_tables
 from emb_helpers import battery, battery_results
+from shardwise_embedding import EmbeddingShardingPlan, KeyedJaggedTensor, PlanError, shard_collection
 
 import shardwise
-from shardwise_embedding import EmbeddingShardingPlan, KeyedJaggedTensor, PlanError, shard_collection
 
 WORLD = 3
 

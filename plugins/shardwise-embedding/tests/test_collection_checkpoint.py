@@ -15,10 +15,10 @@ from typing import Any
 import torch
 from collection_helpers import dense_collection, every_type_plan, every_type_tables
 from emb_helpers import run
+from shardwise_embedding import EmbeddingShardingPlan, TablePlan, make_blocks, shard_collection
 
 import shardwise
 import shardwise.checkpoint
-from shardwise_embedding import EmbeddingShardingPlan, TablePlan, make_blocks, shard_collection
 
 SAVED_SEED = 3
 

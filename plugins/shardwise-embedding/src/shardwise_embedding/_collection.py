@@ -341,6 +341,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 c0, c1 = route.cuts[route.cut_of_rank[owner]].cols
                 n += len(route.config.feature_names) * batch * (c1 - c0)
             outputs.append(torch.empty(n, dtype=self._dtype, device=device))
+        if torch.is_grad_enabled():
+            # The backward of this exchange is a collective too: a rank holding no block (nothing it sends
+            # requires grad) must still take part in it, or the ranks that do would wait for it forever.
+            pooled_out = [p if p.requires_grad else p.detach().requires_grad_() for p in pooled_out]
         return list(dist_f.all_to_all(outputs, pooled_out, group=group))
 
     def _assemble(
