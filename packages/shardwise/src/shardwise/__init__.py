@@ -11,7 +11,7 @@ from shardwise._comm.group import Group
 from shardwise._modules.plan import ShardingPlan
 from shardwise._modules.sharder import Sharder
 from shardwise._modules.sharding import shard_module, shard_parameter
-from shardwise._registry.records import Availability, Backend, LaunchInfo, Launcher, ShardedOp
+from shardwise._registry.records import Availability, Backend, CliCommand, LaunchInfo, Launcher, ShardedOp
 from shardwise._session.runtime import (
     DEFAULT_TIMEOUT,
     destroy,
@@ -49,6 +49,7 @@ __all__ = [
     "Availability",
     "Backend",
     "ChunkShardingSpec",
+    "CliCommand",
     "DevicePlacementSpec",
     "EnumerableShardingSpec",
     "Group",

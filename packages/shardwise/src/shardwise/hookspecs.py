@@ -15,8 +15,8 @@ The core collects them from every plugin, rejects wrong types and
 duplicates (naming both plugins), and sorts them; callers then use the
 accessors in :mod:`shardwise._registry.access`, never ``pm.hook`` directly.
 
-Hooks are called lazily: the first time something asks for a backend, an op
-or a launcher, not at import time. They may be called again after
+Hooks are called lazily: the first time something asks for a backend, an op,
+a launcher or a command, not at import time. They may be called again after
 :func:`shardwise._registry.access.reset` (tests do this), so they must not have side
 effects.
 """
@@ -27,7 +27,7 @@ from typing import Iterable
 
 import pluggy
 
-from shardwise._registry.records import Backend, Launcher, ShardedOp
+from shardwise._registry.records import Backend, CliCommand, Launcher, ShardedOp
 
 PROJECT_NAME = "shardwise"
 
@@ -39,6 +39,7 @@ __all__ = [
     "hookimpl",
     "hookspec",
     "shardwise_backends",
+    "shardwise_cli_commands",
     "shardwise_launchers",
     "shardwise_sharded_ops",
 ]
@@ -140,4 +141,38 @@ def shardwise_launchers() -> Iterable[Launcher]:
         @hookimpl
         def shardwise_launchers():
             yield Launcher(name="pbs", detect=_detect, priority=5)
+    """
+
+
+@hookspec
+def shardwise_cli_commands() -> Iterable[CliCommand]:
+    """Declare subcommands of the ``shardwise`` command line.
+
+    Called once per plugin manager, by ``shardwise`` itself (the console
+    script and ``python -m shardwise``), and only when the command line
+    needs them: when it names a command that is not built in (``info`` is),
+    or when it prints the help that lists the commands. ``shardwise
+    --version`` and ``shardwise info`` never call it. Two plugins declaring
+    the same command ``name`` is an error naming both; so is a name of a
+    built-in command.
+
+    Returns:
+        An iterable of :class:`~shardwise.CliCommand` records. Creating one
+        must be cheap: import what the command needs inside ``run``, or in
+        the hook itself, not at the plugin module's top level.
+
+    Example::
+
+        from shardwise import CliCommand, hookimpl
+
+        def _add_arguments(parser):
+            parser.add_argument("path", help="the file to check")
+
+        def _run(args):
+            from my_package._check import check   # imported when the command runs
+            return check(args.path)               # the exit status
+
+        @hookimpl
+        def shardwise_cli_commands():
+            yield CliCommand(name="check", help="check a file", add_arguments=_add_arguments, run=_run)
     """

@@ -5,6 +5,9 @@
 an :class:`EmbeddingShardingPlan` (from :class:`EmbeddingShardingPlanner`, or
 by hand), and :func:`shard_collection`, which shards a collection by a plan
 over a group: one input and one output exchange per step for all tables.
+Row-sparse optimizers (:class:`RowSparseSGD`, :class:`RowSparseAdagrad`,
+:class:`RowWiseAdagrad`, :class:`RowSparseAdam`) update only the rows a
+batch touched, and checkpoint their state laid out like the tables.
 
 **Ops** on chunk-sharded weights:
 
@@ -38,6 +41,8 @@ from shardwise_embedding._plan_data import (
     TablePlan,
     make_blocks,
 )
+from shardwise_embedding._planner import EmbeddingShardingPlanner, ParameterConstraints
+from shardwise_embedding._sparse_optim import RowSparseAdagrad, RowSparseAdam, RowSparseSGD, RowWiseAdagrad
 from shardwise_embedding._tables import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
 
 __version__ = "0.1.0"
@@ -47,13 +52,19 @@ __all__ = [
     "EmbeddingBagCollection",
     "EmbeddingBagConfig",
     "EmbeddingShardingPlan",
+    "EmbeddingShardingPlanner",
     "JaggedTensor",
     "KeyedJaggedTensor",
     "KeyedTensor",
     "LocalBlock",
+    "ParameterConstraints",
     "PlanError",
     "PoolingType",
     "RankLoad",
+    "RowSparseAdagrad",
+    "RowSparseAdam",
+    "RowSparseSGD",
+    "RowWiseAdagrad",
     "ShardedEmbeddingBagCollection",
     "TablePlan",
     "__version__",

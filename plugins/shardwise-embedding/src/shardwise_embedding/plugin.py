@@ -73,3 +73,14 @@ def shardwise_sharded_ops() -> Iterable[ShardedOp]:
             impl=local_tensor_op(softmax, extra_check=_not_along_sharded_dim),
             description="on the local tensor, along a dim that is not sharded",
         )
+
+
+@hookimpl
+def shardwise_cli_commands() -> Iterable[Any]:
+    """``shardwise plan``: plan the sharding of an embedding collection described in a JSON file."""
+    # Imported when the command line asks for commands, so that loading this plugin for its ops does not
+    # import the planner.
+    from shardwise import CliCommand
+    from shardwise_embedding import _plan_cli
+
+    yield CliCommand(name="plan", help=_plan_cli.HELP, add_arguments=_plan_cli.add_arguments, run=_plan_cli.run)

@@ -20,7 +20,7 @@ import pluggy
 
 from shardwise._registry import manager as _registry
 from shardwise._registry.manager import DEFAULT_PLUGINS, ENTRY_POINT_GROUP, PluginInfo
-from shardwise._registry.records import Availability, Backend, Launcher, ShardedOp
+from shardwise._registry.records import Availability, Backend, CliCommand, Launcher, ShardedOp
 
 __all__ = [
     "DEFAULT_PLUGINS",
@@ -32,6 +32,7 @@ __all__ = [
     "get_backend",
     "get_plugin_manager",
     "list_backends",
+    "list_cli_commands",
     "list_launchers",
     "list_plugins",
     "list_sharded_ops",
@@ -165,6 +166,16 @@ def list_sharded_ops_with_plugins() -> list[tuple[ShardedOp, str]]:
 def list_launchers() -> list[Launcher]:
     """Every known launcher, in the order ``shardwise.init`` tries them."""
     return [record for record, _ in _registry.get_registry().launchers]
+
+
+def list_cli_commands() -> list[CliCommand]:
+    """Every plugin's ``shardwise`` subcommand, sorted by name, each naming its plugin.
+
+    Raises:
+        PluginError: a plugin fails to load, declares a malformed name, or
+            two plugins declare the same command.
+    """
+    return list(_registry.get_registry().cli_commands.values())
 
 
 def list_plugins() -> list[PluginInfo]:

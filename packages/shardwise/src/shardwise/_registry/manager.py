@@ -7,10 +7,12 @@ once, validates and sorts them, and caches the tables until :func:`reset`.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.metadata
 import logging
 import os
+import re
 import threading
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional, TypeVar
@@ -18,7 +20,7 @@ from typing import Any, Iterable, Mapping, Optional, TypeVar
 import pluggy
 
 from shardwise import hookspecs
-from shardwise._registry.records import Backend, Launcher, ShardedOp, qualified_name
+from shardwise._registry.records import Backend, CliCommand, Launcher, ShardedOp, qualified_name
 from shardwise._vocab.logs import configure_logging
 from shardwise.errors import BackendNotFoundError, OpNotFoundError, PluginError
 
@@ -53,6 +55,12 @@ KNOWN_OP_DISTRIBUTIONS: Mapping[str, str] = {
     "torch.nn.functional.log_softmax": "shardwise-embedding",
     "torch.nn.functional.softmax": "shardwise-embedding",
 }
+
+#: Which distribution provides a ``shardwise`` command the core lacks: the hint of an unknown command.
+KNOWN_COMMAND_DISTRIBUTIONS: Mapping[str, str] = {"plan": "shardwise-embedding"}
+
+#: What a plugin's command may be called: a word that cannot be mistaken for an option.
+_COMMAND_NAME = re.compile(r"[a-z][a-z0-9_-]*")
 
 _T = TypeVar("_T")
 
@@ -96,6 +104,7 @@ class Registry:
         self._backends: Optional[dict[str, tuple[Backend, str]]] = None
         self._ops: Optional[dict[Any, dict[tuple[type, bool], tuple[ShardedOp, str]]]] = None
         self._launchers: Optional[list[tuple[Launcher, str]]] = None
+        self._commands: Optional[dict[str, CliCommand]] = None
         self._op_cache: dict[tuple[Any, type], ShardedOp] = {}
 
     # -- collection --------------------------------------------------------
@@ -129,6 +138,7 @@ class Registry:
             self._backends = None
             self._ops = None
             self._launchers = None
+            self._commands = None
             self._op_cache = {}
 
     @property
@@ -186,6 +196,27 @@ class Registry:
                     seen[record.name] = plugin
                 self._launchers = sorted(found, key=lambda rp: (-rp[0].priority, rp[0].name))
             return self._launchers
+
+    @property
+    def cli_commands(self) -> dict[str, CliCommand]:
+        """The plugins' commands by name, each with ``plugin`` set to the plugin that declared it."""
+        with self._lock:
+            if self._commands is None:
+                table: dict[str, CliCommand] = {}
+                for record, plugin in self._collect("shardwise_cli_commands", CliCommand):
+                    if not isinstance(record.name, str) or not _COMMAND_NAME.fullmatch(record.name):
+                        raise PluginError(
+                            f"plugin {plugin!r} declared the command {record.name!r}; a command is a lower-case "
+                            "word of letters, digits, '-' and '_'"
+                        )
+                    if record.name in table:
+                        raise PluginError(
+                            f"command {record.name!r} is provided by two plugins: {table[record.name].plugin!r} "
+                            f"and {plugin!r}. Uninstall one, or block one with {BLOCKED_ENV}=<plugin name>."
+                        )
+                    table[record.name] = dataclasses.replace(record, plugin=plugin)
+                self._commands = dict(sorted(table.items()))
+            return self._commands
 
     # -- lookups -----------------------------------------------------------
     def get_backend(self, name: str) -> Backend:

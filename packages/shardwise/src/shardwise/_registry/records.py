@@ -17,9 +17,11 @@ import torch
 from shardwise._vocab.launch import Availability, LaunchInfo
 
 if TYPE_CHECKING:
+    import argparse
+
     from shardwise._comm.group import Group
 
-__all__ = ["Availability", "Backend", "LaunchInfo", "Launcher", "ShardedOp"]
+__all__ = ["Availability", "Backend", "CliCommand", "LaunchInfo", "Launcher", "ShardedOp"]
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,33 @@ class ShardedOp:
     def op_name(self) -> str:
         """Qualified name of ``op`` (``torch.nn.functional.embedding``)."""
         return qualified_name(self.op)
+
+
+@dataclass(frozen=True)
+class CliCommand:
+    """A subcommand of the ``shardwise`` command line, contributed by a plugin.
+
+    Attributes:
+        name: The command (``"plan"`` for ``shardwise plan``): a lower-case
+            word (letters, digits, ``-``, ``_``), not a built-in command.
+        help: One line, shown by ``shardwise --help`` and as the command's
+            description.
+        add_arguments: ``add_arguments(parser)`` declares the command's
+            arguments on its own ``argparse`` subparser.
+        run: ``run(args) -> int`` runs the command with the parsed arguments
+            and returns the exit status. It reports bad input itself (a
+            one-line message on stderr and a non-zero status); a
+            :class:`~shardwise.errors.ShardwiseError` it lets out becomes
+            ``shardwise: error: ...`` and status 1.
+        plugin: The plugin that contributed it: set by the core when it
+            collects the records (leave it empty).
+    """
+
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+    plugin: str = ""
 
 
 def qualified_name(obj: Any) -> str:

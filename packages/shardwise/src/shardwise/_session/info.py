@@ -1,16 +1,20 @@
-"""The ``shardwise`` command line: ``shardwise info`` and ``shardwise --version``.
+"""The ``shardwise`` command line: ``shardwise info``, ``shardwise --version`` and plugins' commands.
 
 ``shardwise info`` says what is installed, what can run here and which
 sharded ops exist, grouped by the plugin that provides them. Its default
 output fits a screen; ``--all`` lists every op with its spec and plugin, and
-``--json`` gives everything as data. This is the one module of the core that
-writes to stdout and stderr: it is the command line.
+``--json`` gives everything as data. Plugins add commands through the
+``shardwise_cli_commands`` hook (``shardwise plan`` comes from
+shardwise-embedding); they are loaded only when the command line names a
+command that is not built in, or prints the help. This is the one module of
+the core that writes to stdout and stderr: it is the command line.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 from typing import Any, Optional, Sequence
@@ -19,11 +23,15 @@ import torch
 
 from shardwise._comm import buffers
 from shardwise._registry import access as plugins
-from shardwise._registry.records import qualified_name
+from shardwise._registry.manager import BLOCKED_ENV, KNOWN_COMMAND_DISTRIBUTIONS
+from shardwise._registry.records import CliCommand, qualified_name
 from shardwise._vocab.version import __version__
-from shardwise.errors import ShardwiseError
+from shardwise.errors import PluginError, ShardwiseError
 
-__all__ = ["collect", "is_internal", "main", "render", "version_line"]
+__all__ = ["BUILTIN_COMMANDS", "collect", "is_internal", "main", "render", "version_line"]
+
+#: The commands of the core itself; a plugin's command may not take one of these names.
+BUILTIN_COMMANDS = ("info",)
 
 #: The variable that sizes the freed-buffer cache (read by ``shardwise._comm.buffers.cache_limit``).
 CACHE_ENV = "SHARDWISE_BUFFER_CACHE_MB"
@@ -244,11 +252,13 @@ def render(info: dict[str, Any], all_ops: bool = False) -> str:
     return "\n".join(lines)
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(commands: Sequence[CliCommand] = (), note: str = "") -> argparse.ArgumentParser:
+    """The parser of the built-in commands, plus ``commands`` from plugins (``note``: why some are missing)."""
+    epilog = "Run `shardwise info` to list plugins, backends, launchers and sharded ops."
     parser = argparse.ArgumentParser(
         prog="shardwise",
         description="shardwise command line: what is installed and what can run here.",
-        epilog="Run `shardwise info` to list plugins, backends, launchers and sharded ops.",
+        epilog=f"{epilog} {note}" if note else epilog,
     )
     parser.add_argument("--version", action="version", version=version_line())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -260,29 +270,79 @@ def _parser() -> argparse.ArgumentParser:
     )
     info_parser.add_argument("--all", action="store_true", help="list every op with its spec and providing plugin")
     info_parser.add_argument("--json", action="store_true", help="print everything as JSON (always every op)")
+    for command in commands:
+        if command.name in BUILTIN_COMMANDS:
+            raise PluginError(
+                f"plugin {command.plugin!r} declares the command {command.name!r}, a built-in command of shardwise; "
+                f"block it with SHARDWISE_BLOCKED_PLUGINS={command.plugin}"
+            )
+        command_parser = sub.add_parser(
+            command.name, help=f"{command.help} (plugin {command.plugin})", description=command.help
+        )
+        try:
+            command.add_arguments(command_parser)
+        except Exception as exc:  # a plugin's bug: name the plugin rather than show a traceback
+            raise PluginError(
+                f"plugin {command.plugin!r} failed to declare the arguments of command {command.name!r}: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
     return parser
+
+
+def _command_word(argv: Sequence[str]) -> Optional[str]:
+    """The command ``argv`` names: its first word that is not an option (the top level's options take no value)."""
+    return next((arg for arg in argv if not arg.startswith("-")), None)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the ``shardwise`` console script and ``python -m shardwise``.
 
+    Plugins' commands are loaded only when ``argv`` names a command that is
+    not built in, or asks for the help (``shardwise``, ``shardwise -h``):
+    ``shardwise --version`` and ``shardwise info`` behave the same whatever
+    the plugins' commands.
+
     Args:
         argv: The arguments (default: ``sys.argv[1:]``).
 
     Returns:
-        0; with no command it prints the help.
+        0, or what a plugin's command returned; with no command it prints
+        the help.
 
     Raises:
-        SystemExit: ``--help`` / ``--version`` (status 0), a bad argument
-            (2), or a :class:`~shardwise.errors.ShardwiseError` such as a
-            plugin that fails to load (1, with the error's message).
+        SystemExit: ``--help`` / ``--version`` (status 0), a bad argument or
+            an unknown command (2), or a :class:`~shardwise.errors.ShardwiseError`
+            such as a plugin that fails to load (1, with the error's message).
     """
-    parser = _parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    word = _command_word(argv)
+    commands: list[CliCommand] = []
+    if word is not None and word not in BUILTIN_COMMANDS:
+        try:
+            commands = plugins.list_cli_commands()
+            parser = _parser(commands)
+        except ShardwiseError as exc:
+            _parser().exit(1, f"shardwise: error: the plugins' commands cannot be loaded: {exc}\n")
+        hint = KNOWN_COMMAND_DISTRIBUTIONS.get(word)
+        if hint is not None and word not in {c.name for c in commands}:
+            blocked = os.environ.get(BLOCKED_ENV, "").strip()
+            unblock = f", or unblock its plugin ({BLOCKED_ENV}={blocked})" if blocked else ""
+            parser.error(f"no installed plugin provides the command {word!r}: `pip install {hint}`{unblock}")
+    elif word is None and (not argv or "-h" in argv or "--help" in argv):
+        try:  # the help lists the plugins' commands; a plugin that fails to load must not hide the help
+            commands = plugins.list_cli_commands()
+            parser = _parser(commands)
+        except ShardwiseError as exc:
+            parser = _parser(note=f"(Plugin commands unavailable: {exc})")
+    else:
+        parser = _parser()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 0
     try:
+        if args.command != "info":
+            return int(next(c for c in commands if c.name == args.command).run(args))
         info = collect()
     except ShardwiseError as exc:
         parser.exit(1, f"{parser.prog}: error: {exc}\n")
