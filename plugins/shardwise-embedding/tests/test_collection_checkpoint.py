@@ -61,11 +61,40 @@ def _load(path: str, kind: str) -> None:
         torch.testing.assert_close(local.weight.detach(), expected, rtol=0, atol=0)
 
 
+def _load_dense(path: str) -> None:
+    tables = every_type_tables("sum")
+    ebc = dense_collection(tables, seed=11)
+    state = {"model": ebc.state_dict(), "step": 0}
+    shardwise.checkpoint.load(state, path)
+    ebc.load_state_dict(state["model"])
+    saved = dense_collection(tables, seed=SAVED_SEED)
+    for t in tables:
+        torch.testing.assert_close(ebc.embedding_bags[t.name].weight, saved.embedding_bags[t.name].weight)
+
+
+def _dense_into_sharded() -> None:
+    tables = every_type_tables("sum")
+    world = shardwise.get_default_group().size
+    sharded = shard_collection(dense_collection(tables, seed=11), every_type_plan(tables, world))
+    saved = dense_collection(tables, seed=SAVED_SEED)
+    sharded.load_state_dict(saved.state_dict())
+    for t in tables:
+        local = sharded.embedding_bags[t.name]
+        (r0, r1), (c0, c1) = local.local_block.rows, local.local_block.cols
+        expected = saved.embedding_bags[t.name].weight.detach()[r0:r1, c0:c1]
+        torch.testing.assert_close(local.weight.detach(), expected, rtol=0, atol=0)
+
+
 def test_save_under_one_plan_load_under_another(tmp_path: Path) -> None:
     every = str(tmp_path / "every-type-2")
     run(_save, 2, every, "every_type")
     for world, kind in ((3, "row_wise"), (1, "table_wise"), (4, "every_type"), (2, "column_wise")):
         run(_load, world, every, kind)
+    run(_load_dense, 1, every)
     rows = str(tmp_path / "row-wise-3")
     run(_save, 3, rows, "row_wise")
     run(_load, 2, rows, "every_type")
+
+
+def test_a_dense_state_dict_loads_into_a_sharded_collection() -> None:
+    run(_dense_into_sharded, 3)

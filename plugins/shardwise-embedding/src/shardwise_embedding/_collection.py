@@ -29,6 +29,7 @@ from shardwise_embedding._plan_data import EmbeddingShardingPlan, PlanError
 from shardwise_embedding._tables import (
     EmbeddingBagCollection,
     EmbeddingBagConfig,
+    TableDict,
     check_input,
     check_weights_pooling,
     feature_order,
@@ -199,7 +200,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self._dtype = tables[0].dtype if tables else torch.float32
         for t in tables[1:]:
             self._dtype = torch.promote_types(self._dtype, t.dtype)
-        self.embedding_bags = nn.ModuleDict()
+        self.embedding_bags = TableDict()
         for t, p in zip(tables, plans, strict=True):
             dense = ebc._weight(t.name)
             block = LocalBlock(p, group, p.block_of(group.rank))

@@ -19,7 +19,7 @@ from torch import nn
 
 from shardwise_embedding._jagged import KeyedJaggedTensor, KeyedTensor
 
-__all__ = ["EmbeddingBagCollection", "EmbeddingBagConfig", "PoolingType", "feature_order", "check_tables"]
+__all__ = ["EmbeddingBagCollection", "EmbeddingBagConfig", "PoolingType", "TableDict", "check_tables", "feature_order"]
 
 
 class PoolingType(str, enum.Enum):
@@ -148,6 +148,21 @@ def check_weights_pooling(kjt: KeyedJaggedTensor, tables: Sequence[EmbeddingBagC
         )
 
 
+class TableDict(nn.ModuleDict):
+    """A ModuleDict that takes any table name, also one of its own attributes (``items``, ``keys``, ``update``).
+
+    ``nn.ModuleDict`` refuses a key that names one of its methods, and
+    "items" is a natural name for a recommendation model's table. Entries
+    are read by key (``tables["items"]``), never as attributes, so they are
+    stored directly.
+    """
+
+    def __setitem__(self, key: str, module: nn.Module) -> None:
+        if not isinstance(key, str) or not key or "." in key:
+            raise KeyError(f"a table name must be a non-empty string without '.', got {key!r}")
+        self._modules[key] = module
+
+
 class EmbeddingBagCollection(nn.Module):
     """Many embedding-bag tables, dense on one process: the reference a sharded collection equals.
 
@@ -172,12 +187,11 @@ class EmbeddingBagCollection(nn.Module):
         tables = list(tables)
         check_tables(tables)
         self._tables = tables
-        self.embedding_bags = nn.ModuleDict(
-            {
-                t.name: nn.EmbeddingBag(t.num_embeddings, t.embedding_dim, mode=t.pooling, dtype=t.dtype, device=device)
-                for t in tables
-            }
-        )
+        self.embedding_bags = TableDict()
+        for t in tables:
+            self.embedding_bags[t.name] = nn.EmbeddingBag(
+                t.num_embeddings, t.embedding_dim, mode=t.pooling, dtype=t.dtype, device=device
+            )
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         """The tables, in order."""
