@@ -24,7 +24,7 @@ STAMP := $(VENV)/.install-stamp
 LINT_PATHS := packages plugins integration_tests benchmarks examples
 MYPY_PATHS := packages/shardwise/src/shardwise $(wildcard plugins/*/src)
 
-.PHONY: install system-deps test lint docs demo bench bench-mpi bench-embedding bench-validation clean distclean
+.PHONY: install system-deps test lint docs demo demo-recsys bench bench-mpi bench-embedding bench-collection bench-validation clean distclean
 
 install: $(STAMP)
 
@@ -63,14 +63,25 @@ else
 	test -z "$$failed"
 endif
 
-# The main job (examples/recsys.py): a recommendation model with a row-wise and
-# a column-wise sharded EmbeddingBag trained on 2 MPI ranks and checked against
-# the same training in one dense process, then resumed from its checkpoint on
-# 3 ranks. Sets everything up itself (the venv, MPICH from PyPI).
-DEMO_CKPT := build/demo/recsys-ckpt
+# The main job (examples/dlrm.py): a DLRM-style click model with 26 Criteo-sized
+# embedding tables (3 to 10^6 rows) and 13 dense features, its tables placed by
+# the planner (which prints its plan and why) and trained on 2 MPI ranks, checked
+# against the same training in one process without sharding, then resumed from
+# its checkpoint on 3 ranks under a new plan. Sets everything up itself (the
+# venv, MPICH from PyPI).
+DEMO_CKPT := build/demo/dlrm-ckpt
 demo: install
-	$(BIN)/mpiexec -n 2 $(BIN)/python examples/recsys.py --checkpoint $(DEMO_CKPT)
-	$(BIN)/mpiexec -n 3 $(BIN)/python examples/recsys.py --resume $(DEMO_CKPT) --steps 100
+	$(BIN)/mpiexec -n 2 $(BIN)/python examples/dlrm.py --checkpoint $(DEMO_CKPT)
+	$(BIN)/mpiexec -n 3 $(BIN)/python examples/dlrm.py --resume $(DEMO_CKPT)
+
+# The first demo (examples/recsys.py): a recommendation model with a row-wise and
+# a column-wise sharded nn.EmbeddingBag trained on 2 MPI ranks and checked against
+# the same training in one dense process, then resumed from its checkpoint on
+# 3 ranks.
+RECSYS_CKPT := build/demo/recsys-ckpt
+demo-recsys: install
+	$(BIN)/mpiexec -n 2 $(BIN)/python examples/recsys.py --checkpoint $(RECSYS_CKPT)
+	$(BIN)/mpiexec -n 3 $(BIN)/python examples/recsys.py --resume $(RECSYS_CKPT) --steps 100
 
 # torch 2.13's _shard (gloo) vs shardwise over gloo and over MPI, side by side:
 # scatter, reshard, gather, full_tensor (64 MiB) and the sharded embedding ops,
@@ -94,6 +105,17 @@ bench-validation: install
 # over gloo and over MPI, 2 ranks; writes benchmarks/results/embedding.md.
 bench-embedding: install
 	$(BIN)/mpiexec -n 2 $(BIN)/python benchmarks/embedding.py
+
+# The demo's DLRM model (examples/dlrm.py), one training step under five embedding
+# layouts: the planner's plan, every table row-wise, every table table-wise (all by
+# shard_collection, over gloo and over MPI), one shardwise sharded nn.EmbeddingBag
+# per table, and torch 2.13's torch.distributed._shard per table (gloo): samples/s,
+# bytes and collectives per rank and step; then a row-sparse optimizer step on a
+# 10^7-row table against a dense torch.optim.Adagrad step. One mpiexec launch (gloo
+# comes up through MPI); writes benchmarks/results/collection-<RANKS>ranks.md.
+# `make bench-collection RANKS=4`. Not part of `make test`.
+bench-collection: install
+	$(BIN)/mpiexec -n $(RANKS) $(BIN)/python benchmarks/collection.py
 
 # Every checker always runs; the target fails if any found something.
 # lint-imports reads the import contracts from .importlinter (found in this,
