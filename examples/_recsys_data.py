@@ -21,8 +21,9 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 from _recsys_model import Table
+from _training import rank_rows, stream_generator
 
-__all__ = ["Batch", "ClickData", "rank_rows"]
+__all__ = ["Batch", "ClickData"]
 
 #: Exponent of the id distribution: ``rank = vocab * u ** SKEW`` for uniform
 #: ``u``, so the top 1% of ids get about a fifth of all draws.
@@ -32,22 +33,6 @@ SKEW = 3.0
 SIGNAL = 3.0
 #: Hidden bias: about one sample in three is a click.
 BIAS = -0.75
-
-
-def _generator(seed: int, stream: int) -> torch.Generator:
-    """A generator for ``stream`` (-1: the hidden model; ``s >= 0``: step ``s``), independent of the others."""
-    return torch.Generator().manual_seed((seed * 1_000_003 + stream + 1) % (1 << 63))
-
-
-def rank_rows(batch: int, rank: int, world: int) -> slice:
-    """Rows of a ``batch``-sample global batch that ``rank`` of ``world`` trains on.
-
-    Contiguous and balanced like ``torch.tensor_split``: sizes differ by at
-    most one, and the slices of all ranks tile the batch in rank order.
-    """
-    base, extra = divmod(batch, world)
-    start = rank * base + min(rank, extra)
-    return slice(start, start + base + (1 if rank < extra else 0))
 
 
 @dataclass(frozen=True)
@@ -89,7 +74,7 @@ class ClickData:
     def __init__(self, tables: Sequence[Table], seed: int) -> None:
         self.tables = tuple(tables)
         self.seed = seed
-        g = _generator(seed, -1)
+        g = stream_generator(seed, -1)
         # A fixed shuffle of each vocabulary, so that the popular ids are spread
         # over the whole table (and over every rank's rows) instead of all
         # being the first rows.
@@ -98,7 +83,7 @@ class ClickData:
 
     def global_batch(self, step: int, batch: int) -> Batch:
         """All ``batch`` samples of ``step``; the same in every process for the same seed."""
-        g = _generator(self.seed, step)
+        g = stream_generator(self.seed, step)
         ids: dict[str, torch.Tensor] = {}
         logits = torch.full((batch,), BIAS)
         for t in self.tables:

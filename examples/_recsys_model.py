@@ -14,6 +14,7 @@ from typing import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
+from _training import sum_grads_and_loss
 from torch import nn
 
 import shardwise
@@ -128,10 +129,9 @@ def batch_loss(logits: torch.Tensor, labels: torch.Tensor, global_batch: int) ->
 def sync_dense_grads(model: RecModel, loss: torch.Tensor, group: shardwise.Group) -> float:
     """Sum the MLP's gradients over ``group`` and return the global batch's mean loss.
 
-    Every rank holds the whole MLP but computed its gradient on its own
-    samples only; after the sum every rank steps with the full-batch
-    gradient and the replicas stay identical. The loss rides in the same
-    buffer, so one all-reduce per step serves both.
+    Every rank holds the whole MLP; the one all-reduce of
+    :func:`_training.sum_grads_and_loss` makes each rank's gradient the
+    full-batch one and brings the loss along.
 
     Args:
         model: The model, after ``backward``.
@@ -141,10 +141,4 @@ def sync_dense_grads(model: RecModel, loss: torch.Tensor, group: shardwise.Group
     Returns:
         The mean loss over the global batch (the same on every rank).
     """
-    params = [p for p in model.mlp.parameters() if p.requires_grad]
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads] + [loss.detach().reshape(1).to(grads[0].dtype)])
-    group.all_reduce(flat)
-    for p, piece in zip(params, flat[:-1].split([p.numel() for p in params]), strict=True):
-        p.grad = piece.view_as(p)
-    return float(flat[-1])
+    return sum_grads_and_loss([p for p in model.mlp.parameters() if p.requires_grad], loss, group)

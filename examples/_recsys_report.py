@@ -11,13 +11,12 @@ taken in another order).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 import torch
-from _progress import progress
 from _recsys_data import ClickData
 from _recsys_model import Table, build_model
+from _training import Reference, dense_replay
 
 __all__ = [
     "LOSS_TOLERANCE",
@@ -37,23 +36,6 @@ __all__ = [
 LOSS_TOLERANCE = 1e-5
 #: Largest difference allowed between a final sharded and dense weight.
 WEIGHT_TOLERANCE = 1e-4
-
-
-@dataclass(frozen=True)
-class Reference:
-    """The dense replay's results.
-
-    Attributes:
-        losses: Mean loss of every step, from step 0.
-        true_losses: The hidden model's mean loss on every step's batch.
-        click_rate: Fraction of clicks over all the batches.
-        weights: Final weights by state-dict name.
-    """
-
-    losses: list[float]
-    true_losses: list[float]
-    click_rate: float
-    weights: dict[str, torch.Tensor]
 
 
 def dense_reference(
@@ -82,23 +64,16 @@ def dense_reference(
     model = build_model(tables, hidden, seed, torch.device("cpu"))
     optimizer = torch.optim.Adagrad(model.parameters(), lr=lr, eps=eps)
     data = ClickData(tables, seed)
-    losses: list[float] = []
-    true_losses: list[float] = []
-    clicks = 0.0
-    bar = progress(steps, "dense reference", "step", disable=not show, leave=False)
-    for step in range(steps):
-        samples = data.global_batch(step, batch)
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(model(samples.ids), samples.labels)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-        true_losses.append(samples.true_loss())
-        clicks += float(samples.labels.sum())
-        bar.update(1)
-    bar.close()
-    weights = {name: value.detach() for name, value in model.state_dict().items()}
-    return Reference(losses, true_losses, clicks / (steps * batch), weights)
+    return dense_replay(
+        model,
+        [optimizer],
+        lambda step: data.global_batch(step, batch),
+        lambda samples: model(samples.ids),
+        steps=steps,
+        batch=batch,
+        desc="dense reference",
+        show=show,
+    )
 
 
 def effective_window(steps: int, window: int) -> int:

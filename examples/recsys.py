@@ -30,10 +30,11 @@ from typing import Any, NoReturn, Optional, Sequence
 
 import torch
 from _progress import progress
-from _recsys_data import ClickData, rank_rows
+from _recsys_data import ClickData
 from _recsys_model import RecModel, Table, batch_loss, build_model, shard_tables, sync_dense_grads
 from _recsys_plot import save_loss_picture
 from _recsys_report import compare, curve_summary, dense_reference
+from _training import RunHistory, rank_rows
 
 import shardwise
 import shardwise.checkpoint
@@ -41,7 +42,8 @@ from shardwise.sharded_optim import ShardedOptimizer, named_params_with_sharded_
 
 #: Steps in the moving average shown on the progress bar and in the summary.
 WINDOW = 20
-#: Where the loss picture goes when a run neither saves nor resumes a checkpoint (as in ``make demo``).
+#: Where the loss picture goes when a run neither saves nor resumes a checkpoint (beside the checkpoint of
+#: ``make demo-recsys``).
 PICTURE_DIR = Path(__file__).resolve().parents[1] / "build" / "demo"
 
 
@@ -137,33 +139,6 @@ def use_cores_fairly(group: shardwise.Group) -> None:
         torch.set_num_threads(max(1, cores // hosts.count(hosts[group.rank])))
 
 
-@dataclasses.dataclass
-class History:
-    """What a run passes on to the run that resumes it, besides the weights.
-
-    Attributes:
-        config: Name of the :class:`Config` trained.
-        seed: Seed of the initial weights and data.
-        batch: Global batch size.
-        losses: The loss of every step so far, from step 0.
-        runs: ``[first step, description]`` of every run so far.
-    """
-
-    config: str
-    seed: int
-    batch: int
-    losses: list[float]
-    runs: list[list[Any]]
-
-    def run_of_each_step(self) -> list[str]:
-        """For each step, the description of the run that trained it."""
-        labels: list[str] = []
-        bounds = [start for start, _ in self.runs[1:]] + [len(self.losses)]
-        for (start, label), end in zip(self.runs, bounds, strict=True):
-            labels += [label] * (end - start)
-        return labels
-
-
 def refuse(group: shardwise.Group, message: str) -> NoReturn:
     """Exit with status 2 and ``message`` (printed once, by rank 0).
 
@@ -176,7 +151,7 @@ def refuse(group: shardwise.Group, message: str) -> NoReturn:
     raise SystemExit(2)
 
 
-def read_history(path: str, args: argparse.Namespace, config: Config, group: shardwise.Group) -> History:
+def read_history(path: str, args: argparse.Namespace, config: Config, group: shardwise.Group) -> RunHistory:
     """The history saved with the checkpoint at ``path``, checked against the command line.
 
     Every rank reads the same checkpoint, so every rank makes the same
@@ -184,7 +159,7 @@ def read_history(path: str, args: argparse.Namespace, config: Config, group: sha
     """
     saved: dict[str, Any] = {"step": 0, "history": ""}
     shardwise.checkpoint.load(saved, path)
-    history = History(**json.loads(saved["history"]))
+    history = RunHistory(**json.loads(saved["history"]))
     if history.config != config.name:
         refuse(group, f"{path} holds the {history.config} model: resume it {'without' if args.tiny else 'with'} "
                "--tiny")
@@ -221,7 +196,7 @@ def train(
     optimizer: ShardedOptimizer,
     data: ClickData,
     group: shardwise.Group,
-    history: History,
+    history: RunHistory,
     steps: int,
     label: str,
 ) -> float:
@@ -293,7 +268,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         history = read_history(args.resume, args, config, group)
     else:
         seed = 0 if args.seed is None else args.seed
-        history = History(config.name, seed, config.batch if args.batch is None else args.batch, [], [])
+        history = RunHistory(config.name, seed, config.batch if args.batch is None else args.batch, [], [])
     steps = config.steps if args.steps is None else args.steps
     start = len(history.losses)
     history.runs.append([start, label])
