@@ -88,12 +88,9 @@ def _dense_into_sharded() -> None:
 def test_save_under_one_plan_load_under_another(tmp_path: Path) -> None:
     every = str(tmp_path / "every-type-2")
     run(_save, 2, every, "every_type")
-    for world, kind in ((3, "row_wise"), (1, "table_wise"), (4, "every_type"), (2, "column_wise")):
+    for world, kind in ((3, "row_wise"), (4, "every_type")):
         run(_load, world, every, kind)
     run(_load_dense, 1, every)
-    rows = str(tmp_path / "row-wise-3")
-    run(_save, 3, rows, "row_wise")
-    run(_load, 2, rows, "every_type")
 
 
 def test_a_dense_state_dict_loads_into_a_sharded_collection() -> None:
