@@ -347,7 +347,7 @@ def test_concat_errors(kjt: KeyedJaggedTensor, wkjt: KeyedJaggedTensor) -> None:
 @pytest.mark.parametrize("device", ["cpu", torch.device("cpu")])
 def test_to_device(wkjt: KeyedJaggedTensor, device) -> None:
     moved = wkjt.to(device)
-    assert moved is not wkjt
+    assert moved is wkjt  # already there: itself, as Tensor.to returns the same tensor
     assert moved.device == torch.device("cpu")
     _assert_model(moved, KEYS, BAGS, 2, WEIGHTS)
     assert moved.weights().device == torch.device("cpu")
@@ -879,3 +879,25 @@ def test_weights_with_mean_pooling_fail_before_any_lookup() -> None:
 def test_keyed_tensor_checks_its_columns() -> None:
     with pytest.raises(ValueError, match=r"\[batch, 5\]"):
         KeyedTensor(["a", "b"], [2, 3], torch.zeros(4, 4))
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("ids_dtype", [torch.int64, torch.int32])
+def test_pack_and_unpack_round_trip(weighted: bool, ids_dtype: torch.dtype) -> None:
+    weights = torch.tensor([0.5, 1.25, 3.0, 1e-3, 7.0], dtype=torch.float32) if weighted else None
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        ["a", "b"], torch.tensor([1, 2, 7, 8, 9], dtype=ids_dtype), torch.tensor([2, 0, 1, 2]), weights=weights
+    )
+    packed = kjt.pack()
+    assert packed.dtype == torch.int64 and packed.dim() == 1
+    back = KeyedJaggedTensor.unpack(kjt.keys(), packed)
+    assert back.keys() == kjt.keys() and back.stride() == 2
+    assert torch.equal(back.values(), kjt.values()) and back.values().dtype == ids_dtype
+    assert torch.equal(back.lengths(), kjt.lengths())
+    if weighted:
+        assert torch.equal(back.weights(), kjt.weights()) and back.weights().dtype == torch.float32
+    else:
+        assert back.weights_or_none() is None
+    with pytest.raises(ValueError, match="pack"):
+        KeyedJaggedTensor.unpack(kjt.keys(), packed[:-1])
+    assert kjt.to("cpu") is kjt

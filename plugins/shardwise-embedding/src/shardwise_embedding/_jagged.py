@@ -21,6 +21,19 @@ import torch
 __all__ = ["JaggedTensor", "KeyedJaggedTensor", "KeyedTensor"]
 
 
+#: dtype <-> code in :meth:`KeyedJaggedTensor.pack`'s header.
+_DTYPE_CODES = {
+    torch.int64: 1,
+    torch.int32: 2,
+    torch.float32: 3,
+    torch.float64: 4,
+    torch.float16: 5,
+    torch.bfloat16: 6,
+}
+_CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
+_PACK_HEADER = 5
+
+
 def _as_1d(name: str, t: torch.Tensor, *, integer: bool) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -376,16 +389,51 @@ class KeyedJaggedTensor:
             stride=self._stride,
         )
 
-    def to(self, device: Union[str, torch.device], non_blocking: bool = False) -> KeyedJaggedTensor:
-        """The same bags on ``device``."""
-        w = None if self._weights is None else self._weights.to(device, non_blocking=non_blocking)
-        return KeyedJaggedTensor(
-            self._keys,
-            self._values.to(device, non_blocking=non_blocking),
-            weights=w,
-            lengths=self._lengths.to(device, non_blocking=non_blocking),
-            stride=self._stride,
+    def pack(self) -> torch.Tensor:
+        """Everything but the keys in one int64 tensor, to move or send in one piece.
+
+        Layout: ``[stride, len(lengths), len(values), values dtype, weights
+        dtype]``, then the lengths, the ids, and the weights as float64 bits
+        (exact for every float dtype). :meth:`unpack` reads it back.
+        """
+        w_code = 0 if self._weights is None else _DTYPE_CODES[self._weights.dtype]
+        header = torch.tensor(
+            [self._stride, self._lengths.numel(), self._values.numel(), _DTYPE_CODES[self._values.dtype], w_code],
+            dtype=torch.int64,
+            device=self._values.device,
         )
+        parts = [header, self._lengths, self._values.to(torch.int64)]
+        if self._weights is not None:
+            parts.append(self._weights.to(torch.float64).view(torch.int64))
+        return torch.cat(parts)
+
+    @classmethod
+    def unpack(cls, keys: Sequence[str], packed: torch.Tensor) -> KeyedJaggedTensor:
+        """The KeyedJaggedTensor :meth:`pack` made (its dtypes restored), with ``keys``; views into ``packed``.
+
+        Raises:
+            ValueError: ``packed`` is not what :meth:`pack` makes.
+        """
+        if packed.dtype != torch.int64 or packed.dim() != 1 or packed.numel() < _PACK_HEADER:
+            raise ValueError("unpack takes the 1-D int64 tensor KeyedJaggedTensor.pack() makes")
+        stride, n_len, n_val, v_code, w_code = packed[:_PACK_HEADER].tolist()
+        weighted = w_code != 0
+        if packed.numel() != _PACK_HEADER + n_len + n_val * (2 if weighted else 1) or v_code not in _CODE_DTYPES:
+            raise ValueError("the packed tensor's sizes do not match its header: it was not made by pack()")
+        pos = _PACK_HEADER
+        lengths = packed[pos : pos + n_len]
+        values = packed[pos + n_len : pos + n_len + n_val].to(_CODE_DTYPES[v_code])
+        weights = None
+        if weighted:
+            bits = packed[pos + n_len + n_val :]
+            weights = bits.view(torch.float64).to(_CODE_DTYPES[w_code])
+        return cls(keys, values, weights=weights, lengths=lengths, stride=stride)
+
+    def to(self, device: Union[str, torch.device], non_blocking: bool = False) -> KeyedJaggedTensor:
+        """The same bags on ``device``, moved as one tensor (one copy, not one per part)."""
+        if torch.device(device) == self._values.device:
+            return self
+        return KeyedJaggedTensor.unpack(self._keys, self.pack().to(device, non_blocking=non_blocking))
 
     @property
     def device(self) -> torch.device:
