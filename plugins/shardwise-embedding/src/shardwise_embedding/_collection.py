@@ -105,16 +105,22 @@ class _SumOverRanks(torch.autograd.Function):
     def forward(ctx: Any, group: Group, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.group = group
         ctx.shapes = [w.shape for w in weights]
+        ctx.dtype_device = [(w.dtype, w.device) for w in weights]
         return tuple(w.view_as(w) for w in weights)
 
     @staticmethod
     def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
-        filled = [torch.zeros(s) if g is None else g for g, s in zip(grads, ctx.shapes, strict=True)]
+        # A table no bag of this rank's batch reached still takes part: its zeros keep the sum's layout.
+        filled = [
+            torch.zeros(s, dtype=dt, device=dev) if g is None else g
+            for g, s, (dt, dev) in zip(grads, ctx.shapes, ctx.dtype_device, strict=True)
+        ]
         flat = torch.cat([g.reshape(-1) for g in filled])
         ctx.group.all_reduce(flat, "sum")
         out = []
-        for piece, s in zip(flat.split([g.numel() for g in filled]), ctx.shapes, strict=True):
-            out.append(piece.view(s))
+        pieces = flat.split([g.numel() for g in filled])
+        for piece, s, (dt, _) in zip(pieces, ctx.shapes, ctx.dtype_device, strict=True):
+            out.append(piece.view(s).to(dt))  # tables of several dtypes were summed in the widest
         return (None, *out)
 
 
@@ -284,7 +290,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         received = group.all_to_all(messages)
         sent_bytes = sum(m.numel() * 8 for m in messages)
         recv_bytes = sum(m.numel() * 8 for m in received)
-        inboxes = parse_inbox(routes, group.rank, received, self._dtype)
+        inboxes = parse_inbox(routes, group.rank, received)
         pooled_out = self._pool_owned(inboxes)
         pieces = self._exchange_pooled(pooled_out, inboxes, batch)
         sent_bytes += sum(p.numel() * p.element_size() for p in pooled_out)
@@ -378,7 +384,12 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
                 torch.cumsum(lengths, 0, out=offsets[1:])
                 pooled = F.embedding_bag(
-                    ids, synced[t.name], offsets, mode=t.pooling, per_sample_weights=weights, include_last_offset=True
+                    ids,
+                    synced[t.name],
+                    offsets,
+                    mode=t.pooling,
+                    per_sample_weights=None if weights is None else weights.to(t.dtype),
+                    include_last_offset=True,
                 )
                 columns += list(pooled.to(self._dtype).view(n_feat, batch, t.embedding_dim).unbind(0))
                 continue

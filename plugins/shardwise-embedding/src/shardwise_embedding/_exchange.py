@@ -179,14 +179,13 @@ class Inbox:
     rows_from: list[int]
 
 
-def parse_inbox(routes: Routes, rank: int, messages: Sequence[torch.Tensor], dtype: torch.dtype) -> list[Inbox]:
+def parse_inbox(routes: Routes, rank: int, messages: Sequence[torch.Tensor]) -> list[Inbox]:
     """Split the messages this rank received into one :class:`Inbox` per block it holds.
 
     Args:
         routes: The plan's routes.
         rank: This rank.
         messages: What each rank sent here.
-        dtype: The weights' dtype (the tables' dtype).
 
     Returns:
         One inbox per table in ``routes.tables_of_rank[rank]``, in that order.
@@ -227,6 +226,6 @@ def parse_inbox(routes: Routes, rank: int, messages: Sequence[torch.Tensor], dty
                 x if x is not None else torch.ones(i.numel(), dtype=torch.float64, device=i.device)
                 for x, i in zip(weights[j], ids[j], strict=True)
             ]
-            w = torch.cat(filled).to(dtype)
+            w = torch.cat(filled).to(routes.sharded[mine[j]].config.dtype)  # embedding_bag wants the table's
         out.append(Inbox(torch.cat(ids[j]), offsets, w, rows_from[j]))
     return out

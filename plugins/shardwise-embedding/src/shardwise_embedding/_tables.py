@@ -207,7 +207,7 @@ class EmbeddingBagCollection(nn.Module):
         return [f for f, _ in feature_order(self._tables)]
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        """Pool every feature's bags from its table.
+        """Pool every feature's bags from its table (per-id weights in the table's dtype).
 
         Raises:
             KeyError: an input key with no table, or a feature missing.
@@ -220,7 +220,7 @@ class EmbeddingBagCollection(nn.Module):
         pooled = []
         for f, t in order:
             bags = features[f]
-            ids = bags.values()
+            ids, weights = bags.values(), bags.weights_or_none()
             if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= t.num_embeddings):
                 bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
                 raise IndexError(f"feature {f!r}: id {bad} is out of table {t.name!r}'s rows 0..{t.num_embeddings - 1}")
@@ -231,7 +231,7 @@ class EmbeddingBagCollection(nn.Module):
                     weight,
                     bags.offsets()[:-1],
                     mode=t.pooling,
-                    per_sample_weights=bags.weights_or_none(),
+                    per_sample_weights=None if weights is None else weights.to(t.dtype),
                 )
             )
         values = torch.cat(pooled, dim=1) if pooled else torch.empty(features.stride(), 0)
