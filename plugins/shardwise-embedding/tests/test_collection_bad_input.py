@@ -15,7 +15,13 @@ import pytest
 import torch
 from collection_helpers import batch, dense_collection, every_type_plan, every_type_tables
 from emb_helpers import battery, battery_results
-from shardwise_embedding import EmbeddingShardingPlan, KeyedJaggedTensor, PlanError, shard_collection
+from shardwise_embedding import (
+    EmbeddingBagCollection,
+    EmbeddingShardingPlan,
+    KeyedJaggedTensor,
+    PlanError,
+    shard_collection,
+)
 
 import shardwise
 
@@ -96,6 +102,8 @@ def _plan_case(kind: str) -> None:
     elif kind == "over_budget":
         plan = dataclasses.replace(plan, memory_budget_bytes=64)
         match = "does not fit its memory budget of 64 bytes"
+    elif kind == "meta_tables":
+        match = ""
     elif kind == "different_plans":
         if group.rank == 2:
             swapped = dataclasses.replace(
@@ -104,7 +112,11 @@ def _plan_case(kind: str) -> None:
             plan = EmbeddingShardingPlan(plan.world_size, tuple(swapped if t.name == "tw" else t for t in plan.tables))
         match = "ranks passed different plans"
     ebc = dense_collection(tables)
-    _expect(lambda: shard_collection(ebc, plan), fault, PlanError, match)
+    error: type = PlanError
+    if kind == "meta_tables":
+        ebc = EmbeddingBagCollection(tables, device="meta")
+        error, match = ValueError, "are on the meta device"
+    _expect(lambda: shard_collection(ebc, plan), fault, error, match)
     good = every_type_tables("sum")
     _good_step(shard_collection(dense_collection(good), every_type_plan(good, group.size)), good)
 
@@ -121,7 +133,7 @@ def _not_a_plan() -> None:
 
 
 INPUT_KINDS = ("unknown_feature", "missing_feature", "id_out_of_range", "negative_id", "lengths_not_summing")
-PLAN_KINDS = ("other_world_size", "other_tables", "other_table_size", "over_budget", "different_plans")
+PLAN_KINDS = ("other_world_size", "other_tables", "other_table_size", "over_budget", "different_plans", "meta_tables")
 CASES = INPUT_KINDS + PLAN_KINDS + ("not_a_plan",)
 
 

@@ -181,6 +181,13 @@ class ShardedEmbeddingBagCollection(nn.Module):
             )
 
         def check() -> str:
+            on_meta = [t.name for t in tables if ebc._weight(t.name).is_meta]
+            if on_meta:
+                raise ValueError(
+                    f"tables {on_meta} are on the meta device: shard_collection takes each block's values from "
+                    "the dense collection; build it on a real device (the same seed on every rank): values from "
+                    "a checkpoint load afterwards, into the sharded collection's state dict"
+                )
             plan.check(tables, group.size)
             _check_budget(tables, plan)
             return _fingerprint(tables, plan)
