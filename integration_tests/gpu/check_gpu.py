@@ -14,6 +14,11 @@ Checks (``--checks``, comma-separated; default all):
   max), row-wise and column-wise, at the world size the program runs at:
   forward and backward against a dense module with the same weights (lookups
   exact, pooled bags and gradients within float32 tolerances).
+* ``collection``: an embedding collection with a table of every sharding
+  type (``shard_collection``, one exchange of ids and one of pooled vectors
+  per step), tables and batches on the device: each rank's pooled output and
+  its blocks' gradients against the dense ``EmbeddingBagCollection`` on every
+  rank's batch (float32 tolerances).
 * ``throughput``: at world size 1, a row-wise sharded ``F.embedding`` forward
   and forward+backward timed against the dense ``F.embedding`` on the same
   GPU (V=200000, D=128, 4096x32 ids, CUDA events); PASS when sharded/dense is
@@ -50,7 +55,7 @@ import shardwise
 import shardwise.nn.functional as swf
 from shardwise import ChunkShardingSpec, Group, ShardedTensor
 
-CHECKS = ("nccl", "mpi-cuda", "embedding", "throughput")
+CHECKS = ("nccl", "mpi-cuda", "embedding", "collection", "throughput")
 
 #: float32 tolerances for results whose sums run in another order than the dense op's.
 RTOL, ATOL = 1e-5, 1e-5
@@ -438,6 +443,92 @@ def check_embedding(run: Run) -> Outcome:
     )
 
 
+# -- embedding collection ------------------------------------------------------------------------------
+
+
+def _collection_batch(tables: Any, rank: int, device: torch.device) -> Any:
+    # Imported here: only this check needs shardwise-embedding, and the others run without it.
+    from shardwise_embedding import KeyedJaggedTensor
+
+    g = torch.Generator().manual_seed(1000 + rank)
+    keys, values, lengths = [], [], []
+    for t in tables:
+        for f in t.feature_names:
+            n = torch.randint(0, 4, (3 + rank,), generator=g)
+            keys.append(f)
+            lengths.append(n)
+            values.append(torch.randint(0, t.num_embeddings, (int(n.sum()),), generator=g))
+    weights = torch.rand(int(sum(int(x.sum()) for x in lengths)), generator=g) + 0.5
+    kjt = KeyedJaggedTensor.from_lengths_sync(keys, torch.cat(values), torch.cat(lengths), weights=weights)
+    return kjt.to(device)
+
+
+def check_collection(run: Run) -> Outcome:
+    """A sharded embedding collection (every sharding type) against the dense one, forward and backward."""
+    from shardwise_embedding import (
+        EmbeddingBagCollection,
+        EmbeddingBagConfig,
+        EmbeddingShardingPlan,
+        TablePlan,
+        make_blocks,
+        shard_collection,
+    )
+
+    group, dev = run.group, run.device
+    w, me = group.size, group.rank
+    started = time.perf_counter()
+    tally = Tally(dev)
+    ranks = list(range(w))
+    layouts = {
+        "dp": ("data_parallel", ranks, 1),
+        "tw": ("table_wise", [w - 1], 1),
+        "rw": ("row_wise", ranks, 1),
+        "cw": ("column_wise", ranks[::-1], 1),
+        "twrw": ("table_row_wise", ranks[: max(1, w // 2)], 1),
+        "grid": ("grid", ranks[: 2 * (w // 2)] or [0], 2 if w > 1 else 1),
+    }
+    sizes = {"dp": (7, 4), "tw": (200, 16), "rw": (5000, 32), "cw": (300, 64), "twrw": (4001, 8), "grid": (999, 32)}
+    tables = [
+        EmbeddingBagConfig(name=n, num_embeddings=r, embedding_dim=d, feature_names=[f"{n}_a", f"{n}_b"])
+        for n, (r, d) in sizes.items()
+    ]
+    plans = []
+    for t in tables:
+        kind, rs, cols = layouts[t.name]
+        blocks = make_blocks(kind, t.num_embeddings, t.embedding_dim, rs, cols)
+        used = tuple(sorted({b.rank for b in blocks})) if blocks else tuple(ranks)
+        plans.append(TablePlan(t.name, kind, used, t.num_embeddings, t.embedding_dim, blocks))
+    torch.manual_seed(0)
+    dense = EmbeddingBagCollection(tables, device=dev)
+    sharded = shard_collection(dense, EmbeddingShardingPlan(w, tuple(plans)), group)
+    out = sharded(_collection_batch(tables, me, dev))
+    out.values().sum().backward()  # collective: every rank calls it
+    for rank in range(w):
+        theirs = dense(_collection_batch(tables, rank, dev))
+        theirs.values().sum().backward()
+        if rank == me:
+            tally.close("pooled output", out.values(), theirs.values())
+    for t in tables:
+        local = sharded.embedding_bags[t.name]
+        (r0, r1), (c0, c1) = local.local_block.rows, local.local_block.cols
+        if not local.weight.numel():
+            continue
+        grad = local.weight.grad
+        if grad is None:
+            tally.failures.append(f"{t.name}: no gradient on this rank's block")
+            continue
+        grad = grad.to_dense() if grad.is_sparse else grad
+        tally.close(f"{t.name} block gradient", grad, dense.embedding_bags[t.name].weight.grad[r0:r1, c0:c1])
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    took = time.perf_counter() - started
+    return tally.outcome(
+        f"world size {w}, {_device_name(dev)}: {len(tables)} tables (data-parallel, table-wise, row-wise, "
+        f"column-wise, table-row-wise, grid; 2 features each, weighted bags) against the dense collection, "
+        f"{tally.compared} results, max |difference| {tally.worst:.2g} in {took:.2f} s"
+    )
+
+
 # -- throughput --------------------------------------------------------------------------------------
 
 
@@ -531,6 +622,7 @@ RUNNERS: dict[str, Callable[[Run], Outcome]] = {
     "nccl": check_nccl,
     "mpi-cuda": check_mpi_cuda,
     "embedding": check_embedding,
+    "collection": check_collection,
     "throughput": check_throughput,
 }
 

@@ -105,7 +105,7 @@ def test_checks_pass_on_this_gpu_at_world_size_1() -> None:
     if backend == "gloo":
         _needs("shardwise_gloo")
     expected = {"nccl": "PASS" if backend == "nccl" else "SKIP", "mpi-cuda": "SKIP", "embedding": "PASS",
-                "throughput": "PASS"}
+                "collection": "PASS", "throughput": "PASS"}
     _check(["--backend", backend], expected, gpu=True)
 
 
@@ -113,7 +113,8 @@ def test_checks_pass_on_this_gpu_at_world_size_1() -> None:
 def test_mpi_with_cuda_tensors_on_two_ranks() -> None:
     mpiexec = _mpiexec()
     _needs("shardwise_embedding")
-    out = _check(["--backend", "mpi", "--checks", "mpi-cuda,embedding"], {"mpi-cuda": "PASS", "embedding": "PASS"},
+    out = _check(["--backend", "mpi", "--checks", "mpi-cuda,embedding,collection"],
+                 {"mpi-cuda": "PASS", "embedding": "PASS", "collection": "PASS"},
                  gpu=True, launch=(mpiexec, "-n", "2", sys.executable))
     assert re.search(r"PASS mpi-cuda: world size 2, cuda:\d .*(CUDA-aware MPI|staged through host memory)", out), out
 
@@ -123,8 +124,10 @@ def test_embedding_on_cuda_at_world_size_2_over_gloo() -> None:
     """The multi-rank lookup algorithms on CUDA tensors (two ranks may share one GPU: gloo stages through the host)."""
     _needs("shardwise_gloo", "shardwise_embedding")
     torchrun = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
-    out = _check(["--backend", "gloo", "--checks", "embedding"], {"embedding": "PASS"}, gpu=True, launch=torchrun)
+    out = _check(["--backend", "gloo", "--checks", "embedding,collection"], {"embedding": "PASS", "collection": "PASS"},
+                 gpu=True, launch=torchrun)
     assert re.search(r"PASS embedding: world size 2, cuda:\d", out), out
+    assert re.search(r"PASS collection: world size 2, cuda:\d", out), out
 
 
 # -- the program's logic, on the CPU (every machine) -------------------------------------------------
@@ -163,14 +166,15 @@ def test_cpu_logic_nccl_skips_without_a_gpu() -> None:
 def test_cpu_logic_embedding_at_world_size_2_under_torchrun() -> None:
     _needs("shardwise_gloo", "shardwise_embedding")
     torchrun = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
-    out = _check(["--device", "cpu", "--backend", "gloo", "--checks", "embedding,throughput"],
-                 {"embedding": "PASS", "throughput": "SKIP"}, launch=torchrun)
+    out = _check(["--device", "cpu", "--backend", "gloo", "--checks", "embedding,collection,throughput"],
+                 {"embedding": "PASS", "collection": "PASS", "throughput": "SKIP"}, launch=torchrun)
     assert "PASS embedding: world size 2, cpu:" in out and "(every rank; rank 0's figures)" in out, out
 
 
 def test_cpu_logic_mpi_collectives_and_embedding_at_world_size_2() -> None:
     mpiexec = _mpiexec()
     _needs("shardwise_embedding")
-    out = _check(["--device", "cpu", "--backend", "mpi", "--checks", "mpi-cuda,embedding"],
-                 {"mpi-cuda": "PASS", "embedding": "PASS"}, launch=(mpiexec, "-n", "2", sys.executable))
+    out = _check(["--device", "cpu", "--backend", "mpi", "--checks", "mpi-cuda,embedding,collection"],
+                 {"mpi-cuda": "PASS", "embedding": "PASS", "collection": "PASS"},
+                 launch=(mpiexec, "-n", "2", sys.executable))
     assert re.search(r"PASS mpi-cuda: world size 2, cpu, .*CPU tensors \(no CUDA path taken\): \d+ results", out), out
