@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from shardwise_embedding._jagged import JaggedTensor, KeyedJaggedTensor, KeyedTensor
+from shardwise_embedding._jagged import JaggedTensor, KeyedJaggedTensor
+from shardwise_embedding._keyed_tensor import KeyedTensor
 from shardwise_embedding._tables import (
     EmbeddingBagCollection,
     EmbeddingBagConfig,

@@ -31,7 +31,8 @@ import torch
 from shardwise_embedding import _ops
 from shardwise_embedding._blocks import LocalBlock
 from shardwise_embedding._collection import ShardedEmbeddingBagCollection, shard_collection
-from shardwise_embedding._jagged import JaggedTensor, KeyedJaggedTensor, KeyedTensor
+from shardwise_embedding._jagged import JaggedTensor, KeyedJaggedTensor
+from shardwise_embedding._keyed_tensor import KeyedTensor
 from shardwise_embedding._plan_data import (
     SHARDING_TYPES,
     Block,

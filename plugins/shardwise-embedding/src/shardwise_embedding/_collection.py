@@ -24,7 +24,8 @@ import shardwise.nn.functional as dist_f
 from shardwise import Group, ShardedTensor, sdk
 from shardwise_embedding._blocks import LocalBlock, register_block
 from shardwise_embedding._exchange import Routes, parse_inbox, route_ids
-from shardwise_embedding._jagged import KeyedJaggedTensor, KeyedTensor
+from shardwise_embedding._jagged import KeyedJaggedTensor
+from shardwise_embedding._keyed_tensor import KeyedTensor
 from shardwise_embedding._plan_data import EmbeddingShardingPlan, PlanError
 from shardwise_embedding._tables import (
     EmbeddingBagCollection,
@@ -299,7 +300,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         recv_bytes = sum(m.numel() * 8 for m in received)
         inboxes = parse_inbox(routes, group.rank, received)
         pooled_out = self._pool_owned(inboxes)
-        pieces = self._exchange_pooled(pooled_out, inboxes, batch)
+        pieces = self._exchange_pooled(pooled_out, batch)
         sent_bytes += sum(p.numel() * p.element_size() for p in pooled_out)
         recv_bytes += sum(p.numel() * p.element_size() for p in pieces)
         self.last_exchange_bytes = (sent_bytes, recv_bytes)
@@ -341,9 +342,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             return p.device
         return torch.device("cpu")
 
-    def _exchange_pooled(
-        self, pooled_out: list[torch.Tensor], inboxes: Sequence[Any], batch: int
-    ) -> list[torch.Tensor]:
+    def _exchange_pooled(self, pooled_out: list[torch.Tensor], batch: int) -> list[torch.Tensor]:
         """Send each rank its partial bags; return, per owner rank, what it sent here (autograd-aware)."""
         group, routes = self.group, self._routes
         device = self._device()

@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardwise_embedding._jagged import KeyedJaggedTensor, KeyedTensor
+from shardwise_embedding._jagged import KeyedJaggedTensor
+from shardwise_embedding._keyed_tensor import KeyedTensor
 
 __all__ = ["EmbeddingBagCollection", "EmbeddingBagConfig", "PoolingType", "TableDict", "check_tables", "feature_order"]
 
