@@ -37,6 +37,8 @@ ALLOWED: dict[str, frozenset[str]] = {
     "plugins/shardwise-mpi/src/shardwise_mpi/plugin.py": frozenset({"install_abort_hook"}),
     # The watchdog that aborts a job blocked past its timeout: says why, then MPI_Abort.
     "plugins/shardwise-mpi/src/shardwise_mpi/_watchdog.py": frozenset({"Watchdog._expire"}),
+    # `shardwise plan`: the command's own output (the plan, its explanation) and its one-line error.
+    "plugins/shardwise-embedding/src/shardwise_embedding/_plan_cli.py": frozenset({"run", "_fail"}),
 }
 #: Modules that may name loggers by computed names: the ``SHARDWISE_LOGS`` switch,
 #: which configures ``shardwise.<component>`` for each component it is given.
