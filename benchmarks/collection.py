@@ -110,8 +110,9 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 if str(EXAMPLES) not in sys.path:
     sys.path.append(str(EXAMPLES))
 
-from _dlrm_data import MAX_BAG, ClickLog, criteo_tables, feature_names, rank_rows  # noqa: E402
+from _dlrm_data import MAX_BAG, ClickLog, criteo_tables, feature_names  # noqa: E402
 from _dlrm_model import DLRM, batch_loss, build_collection, build_model, sum_dense_grads, table_weight  # noqa: E402
+from _training import rank_rows  # noqa: E402
 from dlrm import FULL, TINY, Config  # noqa: E402
 
 MIB = 1 << 20
