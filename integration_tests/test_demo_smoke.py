@@ -27,7 +27,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from test_torchrun_gloo import _environment, _run, torchrun
+from test_torchrun_gloo import _environment, torchrun
 
 pytest.importorskip("shardwise_mpi", reason="shardwise-mpi is not installed in this env")
 pytest.importorskip("shardwise_embedding", reason="the demo's sharded tables need shardwise-embedding")
@@ -37,6 +37,8 @@ try:
     MPIEXEC = find_mpiexec()
 except FileNotFoundError as exc:  # pragma: no cover - depends on the env
     pytest.skip(f"no mpiexec: {exc}", allow_module_level=True)
+
+from test_mpiexec import mpiexec  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 DEMO = EXAMPLES / "recsys.py"
@@ -51,11 +53,7 @@ TINY_STEPS = 12
 
 
 def _mpiexec(n: int, *args: str) -> str:
-    env = _environment(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    env.pop("SHARDWISE_TIMEOUT", None)  # the mpi backend enforces none; leave the demo's default
-    result = _run([MPIEXEC, "-n", str(n), sys.executable, str(DEMO), "--tiny", *args], DEMO_TIMEOUT, env)
-    assert result.returncode == 0, f"mpiexec exited {result.returncode}; output:\n{result.stdout}"
-    return result.stdout
+    return mpiexec(DEMO, n, "--tiny", *args, timeout=DEMO_TIMEOUT)
 
 
 def _assert_matches_dense(out: str, ranks: int, last_step: int) -> None:

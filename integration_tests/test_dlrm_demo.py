@@ -11,20 +11,13 @@ mpiexec is installed; each job is killed (its whole process group) after
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 
 import pytest
-from test_torchrun_gloo import _environment, _run
 
-pytest.importorskip("shardwise_mpi", reason="shardwise-mpi is not installed in this env")
 pytest.importorskip("shardwise_embedding", reason="the demo's collection needs shardwise-embedding")
-try:
-    from shardwise.testing import find_mpiexec
-
-    MPIEXEC = find_mpiexec()
-except FileNotFoundError as exc:  # pragma: no cover - depends on the env
-    pytest.skip(f"no mpiexec: {exc}", allow_module_level=True)
+# test_mpiexec skips this module too where shardwise-mpi or an mpiexec is missing.
+from test_mpiexec import mpiexec, run_mpiexec  # noqa: E402
 
 DEMO = Path(__file__).resolve().parents[1] / "examples" / "dlrm.py"
 
@@ -37,11 +30,7 @@ TINY_STEPS = 10
 
 
 def _mpiexec(n: int, *args: str) -> str:
-    env = _environment(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    env.pop("SHARDWISE_TIMEOUT", None)  # the mpi backend enforces none; leave the demo's default
-    result = _run([MPIEXEC, "-n", str(n), sys.executable, str(DEMO), "--tiny", *args], DEMO_TIMEOUT, env)
-    assert result.returncode == 0, f"mpiexec exited {result.returncode}; output:\n{result.stdout}"
-    return result.stdout
+    return mpiexec(DEMO, n, "--tiny", *args, timeout=DEMO_TIMEOUT)
 
 
 def _assert_planned(out: str, ranks: int) -> None:
@@ -83,8 +72,6 @@ def test_dlrm_demo_trains_on_two_ranks_and_resumes_on_three(tmp_path: Path) -> N
 def test_dlrm_demo_refuses_a_checkpoint_of_the_other_size(tmp_path: Path) -> None:
     path = tmp_path / "dlrm-ckpt"
     _mpiexec(2, "--checkpoint", str(path), "--steps", "2")
-    env = _environment(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    env.pop("SHARDWISE_TIMEOUT", None)
-    result = _run([MPIEXEC, "-n", "2", sys.executable, str(DEMO), "--resume", str(path)], DEMO_TIMEOUT, env)
+    result = run_mpiexec(DEMO, 2, "--resume", str(path), timeout=DEMO_TIMEOUT)
     assert result.returncode == 2, f"mpiexec exited {result.returncode}; output:\n{result.stdout}"
     assert f"dlrm.py: error: {path} holds the tiny model: resume it with --tiny" in result.stdout, result.stdout

@@ -8,6 +8,7 @@ process group is killed, and its full output is in the assertion message.
 from __future__ import annotations
 
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -23,10 +24,16 @@ except FileNotFoundError as exc:  # pragma: no cover - depends on the env
     pytest.skip(f"no mpiexec: {exc}", allow_module_level=True)
 
 
-def mpiexec(program: Path, n: int, *args: str) -> str:
+def run_mpiexec(program: Path, n: int, *args: str, timeout: float = JOB_TIMEOUT) -> subprocess.CompletedProcess[str]:
+    """``program`` on ``n`` ranks under mpiexec (as root where Open MPI needs it), whatever its exit status."""
     env = _environment(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    env.pop("SHARDWISE_TIMEOUT", None)
-    result = _run([MPIEXEC, "-n", str(n), sys.executable, str(program), *args], JOB_TIMEOUT, env)
+    env.pop("SHARDWISE_TIMEOUT", None)  # the mpi backend enforces none; leave the program's default
+    return _run([MPIEXEC, "-n", str(n), sys.executable, str(program), *args], timeout, env)
+
+
+def mpiexec(program: Path, n: int, *args: str, timeout: float = JOB_TIMEOUT) -> str:
+    """The output of ``program`` on ``n`` ranks under mpiexec, which must exit 0."""
+    result = run_mpiexec(program, n, *args, timeout=timeout)
     assert result.returncode == 0, f"mpiexec exited {result.returncode}; output:\n{result.stdout}"
     return result.stdout
 

@@ -38,6 +38,15 @@ def _plan(kind: str, tables: Any, world: int) -> EmbeddingShardingPlan:
     return every_type_plan(tables, world) if kind == "every_type" else uniform_plan(tables, world, kind)
 
 
+def _assert_blocks_hold(sharded: Any, dense: Any) -> None:
+    """Each of this rank's blocks equals its rows and columns of the dense collection's table, exactly."""
+    for t in dense.embedding_bag_configs():
+        local = sharded.embedding_bags[t.name]
+        (r0, r1), (c0, c1) = local.local_block.rows, local.local_block.cols
+        expected = dense.embedding_bags[t.name].weight.detach()[r0:r1, c0:c1]
+        torch.testing.assert_close(local.weight.detach(), expected, rtol=0, atol=0)
+
+
 def _save(path: str, kind: str) -> None:
     tables = every_type_tables("sum")
     world = shardwise.get_default_group().size
@@ -54,11 +63,7 @@ def _load(path: str, kind: str) -> None:
     sharded.load_state_dict(state["model"])
     assert state["step"] == 7
     saved = dense_collection(tables, seed=SAVED_SEED)
-    for t in tables:
-        local = sharded.embedding_bags[t.name]
-        (r0, r1), (c0, c1) = local.local_block.rows, local.local_block.cols
-        expected = saved.embedding_bags[t.name].weight.detach()[r0:r1, c0:c1]
-        torch.testing.assert_close(local.weight.detach(), expected, rtol=0, atol=0)
+    _assert_blocks_hold(sharded, saved)
 
 
 def _load_dense(path: str) -> None:
@@ -78,11 +83,7 @@ def _dense_into_sharded() -> None:
     sharded = shard_collection(dense_collection(tables, seed=11), every_type_plan(tables, world))
     saved = dense_collection(tables, seed=SAVED_SEED)
     sharded.load_state_dict(saved.state_dict())
-    for t in tables:
-        local = sharded.embedding_bags[t.name]
-        (r0, r1), (c0, c1) = local.local_block.rows, local.local_block.cols
-        expected = saved.embedding_bags[t.name].weight.detach()[r0:r1, c0:c1]
-        torch.testing.assert_close(local.weight.detach(), expected, rtol=0, atol=0)
+    _assert_blocks_hold(sharded, saved)
 
 
 def test_save_under_one_plan_load_under_another(tmp_path: Path) -> None:

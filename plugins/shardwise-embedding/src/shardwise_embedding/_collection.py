@@ -210,7 +210,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self._tables = tables
         self._order = feature_order(tables)
         plans = [plan[t.name] for t in tables]
-        self._routes = Routes.build(tables, plans, group.size)
+        device = ebc._weight(tables[0].name).device if tables else torch.device("cpu")
+        self._routes = Routes.build(tables, plans, group.size, device)
         self._dtype = tables[0].dtype if tables else torch.float32
         for t in tables[1:]:
             self._dtype = torch.promote_types(self._dtype, t.dtype)
@@ -261,7 +262,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
 
         Args:
             features: This rank's bags, keyed by the collection's features
-                (any order; every feature present).
+                (any order; every feature present; on any device: they are
+                moved to the tables').
 
         Returns:
             This rank's ``[batch, sum of dims]`` pooled vectors, features in
@@ -281,6 +283,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         except (KeyError, IndexError, ValueError, TypeError) as exc:
             group.reject(exc, op=OP)
         batch = kjt.stride()
+        kjt = kjt.to(self._device())  # ids where the tables are (one copy; none when they already are)
         per_table = dict(zip([t.name for t in self._tables], self._split_by_table(kjt), strict=True))
         replicated = [t for t in self._tables if self.plan[t.name].sharding_type == "data_parallel"]
         # The replicated tables' gradient sum is created before the exchange so that, in backward,

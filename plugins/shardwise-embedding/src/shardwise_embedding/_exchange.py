@@ -53,16 +53,12 @@ class TableRoute:
     """Where a sharded table's ids go.
 
     Attributes:
-        index: The table's position in the plan.
         config: The table.
-        plan: Its plan.
         cuts: Its column blocks, in column order.
         cut_of_rank: For each rank holding a block, the index of its column block.
     """
 
-    index: int
     config: EmbeddingBagConfig
-    plan: TablePlan
     cuts: tuple[ColumnCut, ...]
     cut_of_rank: dict[int, int]
 
@@ -83,10 +79,12 @@ class Routes:
     tables_of_rank: tuple[tuple[int, ...], ...]
 
     @classmethod
-    def build(cls, tables: Sequence[EmbeddingBagConfig], plans: Sequence[TablePlan], world: int) -> Routes:
-        """The routes of a checked plan (``plans[i]`` is the plan of ``tables[i]``)."""
+    def build(
+        cls, tables: Sequence[EmbeddingBagConfig], plans: Sequence[TablePlan], world: int, device: torch.device
+    ) -> Routes:
+        """The routes of a checked plan (``plans[i]`` is the plan of ``tables[i]``), on the ids' ``device``."""
         sharded = []
-        for i, (cfg, plan) in enumerate(zip(tables, plans, strict=True)):
+        for cfg, plan in zip(tables, plans, strict=True):
             if plan.sharding_type == "data_parallel":
                 continue
             cuts, cut_of_rank = [], {}
@@ -97,12 +95,12 @@ class Routes:
                 cuts.append(
                     ColumnCut(
                         cols=cols,
-                        starts=torch.tensor([b.rows[0] for b in blocks], dtype=torch.int64),
-                        owners=torch.tensor([b.rank for b in blocks], dtype=torch.int64),
+                        starts=torch.tensor([b.rows[0] for b in blocks], dtype=torch.int64, device=device),
+                        owners=torch.tensor([b.rank for b in blocks], dtype=torch.int64, device=device),
                         blocks=blocks,
                     )
                 )
-            sharded.append(TableRoute(i, cfg, plan, tuple(cuts), cut_of_rank))
+            sharded.append(TableRoute(cfg, tuple(cuts), cut_of_rank))
         per_rank = tuple(tuple(k for k, t in enumerate(sharded) if r in t.cut_of_rank) for r in range(world))
         return cls(world, tuple(sharded), per_rank)
 
@@ -142,7 +140,7 @@ def route_ids(
         bags = lengths.numel()
         bag = _bag_of_each_id(lengths)
         for cut in route.cuts:
-            starts, owners = cut.starts.to(device), cut.owners.to(device)
+            starts, owners = cut.starts, cut.owners
             which = torch.searchsorted(starts, ids, right=True) - 1
             dest = owners[which]
             local = ids - starts[which]

@@ -193,28 +193,36 @@ class TablePlan:
             raise PlanError(f"{where}: a rank holds two blocks ({owners}); a rank holds at most one block of a table")
         if sorted(set(owners)) != sorted(set(self.ranks)):
             raise PlanError(f"{where}: ranks {list(self.ranks)} differ from the blocks' ranks {owners}")
-        covered = 0
+        # Sorted cuts instead of comparing every pair of blocks: O(n log n) in the blocks. Column blocks
+        # must tile the columns, and each must be cut into row blocks tiling every row, so that a looked-up
+        # id goes to exactly one rank per column block.
+        by_cols: dict[tuple[int, int], list[Block]] = {}
         for b in self.blocks:
             (r0, r1), (c0, c1) = b.rows, b.cols
             if not (0 <= r0 < r1 <= self.num_embeddings and 0 <= c0 < c1 <= self.embedding_dim):
                 raise PlanError(
                     f"{where}: block {b} is empty or outside the table's {self.num_embeddings} x {self.embedding_dim}"
                 )
-            covered += (r1 - r0) * (c1 - c0)
-        for i, a in enumerate(self.blocks):
-            for b in self.blocks[i + 1 :]:
-                if a.rows[0] < b.rows[1] and b.rows[0] < a.rows[1] and a.cols[0] < b.cols[1] and b.cols[0] < a.cols[1]:
-                    raise PlanError(f"{where}: blocks {a} and {b} overlap")
-        if covered != self.num_embeddings * self.embedding_dim:
+            by_cols.setdefault(b.cols, []).append(b)
+        cuts = sorted(by_cols)
+        for left, right in zip(cuts, cuts[1:], strict=False):
+            if left[1] > right[0]:
+                raise PlanError(f"{where}: column blocks {left} and {right} overlap")
+        if (
+            cuts[0][0] != 0
+            or cuts[-1][1] != self.embedding_dim
+            or any(x[1] != y[0] for x, y in zip(cuts, cuts[1:], strict=False))
+        ):
             raise PlanError(f"{where}: the blocks leave part of the table uncovered")
-        # Every column block must be cut into row blocks the same way for every column cut: a
-        # looked-up id then goes to one rank per column block.
-        for cols in self.column_cuts:
-            rows = sorted(b.rows for b in self.blocks if b.cols == cols)
+        for cols in cuts:
+            blocks = sorted(by_cols[cols], key=lambda b: b.rows)
+            for a, b in zip(blocks, blocks[1:], strict=False):
+                if a.rows[1] > b.rows[0]:
+                    raise PlanError(f"{where}: blocks {a} and {b} overlap")
             if (
-                rows[0][0] != 0
-                or rows[-1][1] != self.num_embeddings
-                or any(x[1] != y[0] for x, y in zip(rows, rows[1:], strict=False))
+                blocks[0].rows[0] != 0
+                or blocks[-1].rows[1] != self.num_embeddings
+                or any(a.rows[1] != b.rows[0] for a, b in zip(blocks, blocks[1:], strict=False))
             ):
                 raise PlanError(f"{where}: column block {cols} is not cut into row blocks covering every row")
 
