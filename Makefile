@@ -24,7 +24,7 @@ STAMP := $(VENV)/.install-stamp
 LINT_PATHS := packages plugins integration_tests benchmarks examples
 MYPY_PATHS := packages/shardwise/src/shardwise $(wildcard plugins/*/src)
 
-.PHONY: install system-deps test lint docs demo demo-recsys bench bench-mpi bench-embedding bench-collection bench-validation clean distclean
+.PHONY: install system-deps test lint docs demo demo-recsys bench bench-core bench-pipeline bench-mpi bench-embedding bench-collection bench-validation clean distclean
 
 install: $(STAMP)
 
@@ -83,13 +83,42 @@ demo-recsys: install
 	$(BIN)/mpiexec -n 2 $(BIN)/python examples/recsys.py --checkpoint $(RECSYS_CKPT)
 	$(BIN)/mpiexec -n 3 $(BIN)/python examples/recsys.py --resume $(RECSYS_CKPT) --steps 100
 
-# torch 2.13's _shard (gloo) vs shardwise over gloo and over MPI, side by side:
-# scatter, reshard, gather, full_tensor (64 MiB) and the sharded embedding ops,
-# with the floor (bytes moved / memcpy bandwidth) and peak memory. Writes
-# benchmarks/results/bench-<RANKS>ranks.md and .png. `make bench RANKS=4`.
+# Every benchmark whose figures the performance targets name, then one checklist
+# of all their targets (benchmarks/targets.py). Each step writes its table to
+# benchmarks/results/:
+# - bench.py, on 2 and 4 ranks: torch 2.13's _shard (gloo) vs shardwise over gloo
+#   and over MPI, side by side: scatter, reshard, gather, full_tensor (64 MiB)
+#   and the sharded embedding ops, with the floor (bytes moved / memcpy
+#   bandwidth), raw mpi4py on the same bytes, and peak memory
+#   (bench-<N>ranks.md and .png);
+# - dtensor.py, on 2 and 4 ranks: DTensor over gloo and over the "mpi4py" torch
+#   backend beside shardwise over both, and every collective of the two torch
+#   backends (dtensor-<N>ranks.md);
+# - pipeline.py, on 2 ranks: the demo's training, blocking loop vs
+#   SparseDistPipeline, over MPI and gloo (pipeline-2ranks.md);
+# - scale.py, one process: metadata work (validation, reshard planning,
+#   checkpoint load planning) from 10 to 10^5 shards against torch 2.13, with a
+#   log-log chart (scale.md, scale.png).
+# `make bench-core RANKS=4` runs bench.py alone.
 RANKS ?= 2
+BENCH_RESULTS := benchmarks/results
 bench: install
+	$(BIN)/mpiexec -n 2 $(BIN)/python benchmarks/bench.py
+	$(BIN)/mpiexec -n 4 $(BIN)/python benchmarks/bench.py
+	$(BIN)/mpiexec -n 2 $(BIN)/python benchmarks/dtensor.py
+	$(BIN)/mpiexec -n 4 $(BIN)/python benchmarks/dtensor.py
+	$(BIN)/mpiexec -n 2 $(BIN)/python benchmarks/pipeline.py
+	$(BIN)/python benchmarks/scale.py
+	$(BIN)/python benchmarks/targets.py $(BENCH_RESULTS)/bench-2ranks.md $(BENCH_RESULTS)/bench-4ranks.md \
+		$(BENCH_RESULTS)/dtensor-2ranks.md $(BENCH_RESULTS)/dtensor-4ranks.md \
+		$(BENCH_RESULTS)/pipeline-2ranks.md $(BENCH_RESULTS)/scale.md
+
+bench-core: install
 	$(BIN)/mpiexec -n $(RANKS) $(BIN)/python benchmarks/bench.py
+
+# The demo's training, blocking loop vs SparseDistPipeline (see above).
+bench-pipeline: install
+	$(BIN)/mpiexec -n $(RANKS) $(BIN)/python benchmarks/pipeline.py
 
 # Group collectives over MPI vs raw mpi4py (and over gloo), 2 ranks; writes
 # benchmarks/results/mpi_collectives.md. Not part of `make test`.

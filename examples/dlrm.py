@@ -42,7 +42,7 @@ import json
 import os
 import sys
 import time
-from typing import Any, NoReturn, Optional, Sequence, Union
+from typing import Any, Iterable, NoReturn, Optional, Sequence, Union
 
 import torch
 from _dlrm_data import ClickLog, criteo_tables, feature_names
@@ -63,10 +63,12 @@ from shardwise_embedding import (
     EmbeddingBagConfig,
     EmbeddingShardingPlan,
     EmbeddingShardingPlanner,
+    KeyedJaggedTensor,
     PlanError,
     RowSparseAdagrad,
     RowWiseAdagrad,
     ShardedEmbeddingBagCollection,
+    SparseDistPipeline,
     shard_collection,
 )
 
@@ -202,6 +204,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "none; 0: none)",
     )
     parser.add_argument(
+        "--no-pipeline",
+        dest="pipeline",
+        action="store_false",
+        help="train with the plain blocking loop instead of SparseDistPipeline (which exchanges the next "
+        "batch's ids and makes its data while this batch computes; same losses either way)",
+    )
+    parser.add_argument(
         "--tiny",
         action="store_true",
         help="tables of at most 1000 rows, 10 steps of 64 samples: a smoke test of seconds",
@@ -315,8 +324,13 @@ def train(
     history: History,
     steps: int,
     label: str,
+    pipeline: bool = True,
 ) -> tuple[float, list[float]]:
     """Train ``steps`` steps after those in ``history``, appending their losses.
+
+    With ``pipeline`` the steps run through :class:`SparseDistPipeline`: the
+    next batch is made on a background thread and its ids travel to the
+    tables' owners while this batch computes; the losses are the same.
 
     Every rank runs the same collectives in the same order (the
     collection's exchanges and their backward, the row-wise optimizer's, one
@@ -341,9 +355,15 @@ def train(
         dynamic_ncols=True,
     )
     began = time.perf_counter()
-    for step in range(start, start + steps):
-        local = data.global_batch(step, batch)[rows]
-        loss = batch_loss(model(local.dense, local.features(keys)), local.labels, batch)
+    batches: Iterable[tuple[int, Any, KeyedJaggedTensor]] = (
+        (step, local, local.features(keys))
+        for step in range(start, start + steps)
+        for local in [data.global_batch(step, batch)[rows]]
+    )
+    if pipeline:
+        batches = SparseDistPipeline(model.embeddings, batches, features=lambda b: b[2])
+    for step, local, features in batches:
+        loss = batch_loss(model(local.dense, features), local.labels, batch)
         for opt in optimizers:
             opt.zero_grad()
         loss.backward()  # collective: the pooled vectors' gradients travel back to the tables' owners
@@ -503,7 +523,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             )
 
     data = ClickLog(tables, history.seed)
-    seconds, moved = train(model, (tables_opt, mlp_opt), data, group, history, steps, label)
+    seconds, moved = train(model, (tables_opt, mlp_opt), data, group, history, steps, label, args.pipeline)
     per_rank = group.exchange(moved)
     if rank == 0:
         say(

@@ -12,6 +12,8 @@ from __future__ import annotations
 import importlib
 import re
 import struct
+import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -48,11 +50,27 @@ def test_bench_smoke_writes_table_targets_and_chart(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("script", "result"), [("embedding.py", "embedding.md"),
                                                  ("mpi_collectives.py", "mpi_collectives.md"),
-                                                 ("collection.py", "collection-2ranks.md")])
+                                                 ("collection.py", "collection-2ranks.md"),
+                                                 ("pipeline.py", "pipeline-2ranks.md")])
 def test_benchmark_smoke(tmp_path: Path, script: str, result: str) -> None:
     out = mpiexec(BENCHMARKS / script, 2, "--smoke", "--out", str(tmp_path))
     text = (tmp_path / result).read_text()
     assert text.count("\n| ") >= 4 and text in out
+
+
+def test_dtensor_benchmark_quick_run_writes_every_column_and_target(tmp_path: Path) -> None:
+    # DTensor and shardwise over gloo and over MPI, and the c10d collectives over gloo and "mpi4py", in one run.
+    out = mpiexec(BENCHMARKS / "dtensor.py", 2, "--quick", "--out", str(tmp_path), timeout=120)
+    text = (tmp_path / "dtensor-2ranks.md").read_text()
+    assert text in out
+    for column in ("DTensor[gloo] ms", "DTensor[mpi4py] ms", "shardwise[gloo] ms", "shardwise[mpi] ms"):
+        assert column in text, text
+    for row in ("distribute / shard_tensor", "redistribute / reshard", "full_tensor / full_tensor",
+                "all_reduce | 4 KiB", "scatter | 256 KiB", "send/recv | 256 KiB", "barrier | —"):
+        assert f"| {row} |" in text, text
+    targets = re.findall(r"^- \[[ x]\] (.*): ([0-9.]+)x", text, flags=re.MULTILINE)
+    assert any(what.startswith("DTensor[mpi4py] redistribute within 1.5x") for what, _ in targets), text
+    assert sum(what.startswith("mpi4py ") for what, _ in targets) >= 20, text
 
 
 @pytest.fixture
@@ -106,3 +124,17 @@ def test_speedup_chart_draws_the_bars_and_their_labels(chart: ModuleType, tmp_pa
         "torch._shard over gloo (= 1)", "shardwise over gloo", "shardwise over MPI"]
     fig.savefig(tmp_path / "chart.png")
     _assert_png(tmp_path / "chart.png")
+
+
+def test_targets_gathers_every_checklist(tmp_path: Path) -> None:
+    """benchmarks/targets.py (make bench's last step) lists each file's targets and counts those met."""
+    (tmp_path / "a.md").write_text("# A\n\n| x |\n\nTargets:\n\n- [x] fast: 2x\n- [ ] faster: 0.9x\n")
+    (tmp_path / "b.md").write_text("Targets:\n\n- [x] small: 1 s\n")
+    out = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "targets.py"), str(tmp_path / "a.md"), str(tmp_path / "b.md"),
+         str(tmp_path / "missing.md")],
+        capture_output=True, text=True, check=True, timeout=60,
+    ).stdout
+    assert "- [x] fast: 2x" in out and "- [ ] faster: 0.9x" in out and "- [x] small: 1 s" in out
+    assert "missing.md: not written" in out
+    assert "2 of 3 targets met" in out

@@ -292,6 +292,8 @@ def test_module_surface() -> None:
     import torch.distributed.nn.functional as torch_functional
 
     for name in F.__all__:
-        ours = list(inspect.signature(getattr(F, name)).parameters)
+        ours = inspect.signature(getattr(F, name)).parameters
         theirs = list(inspect.signature(getattr(torch_functional, name)).parameters)
-        assert ours == theirs, name
+        # torch's parameters, plus a keyword-only async_op (torch has it on its plain collectives only).
+        assert list(ours) == [*theirs, "async_op"], name
+        assert ours["async_op"].kind is inspect.Parameter.KEYWORD_ONLY and ours["async_op"].default is False

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from shardwise._comm.buffers import empty_cache
 from shardwise._comm.group import Group
+from shardwise._comm.work import Work
 from shardwise._modules.plan import ShardingPlan
 from shardwise._modules.sharder import Sharder
 from shardwise._modules.sharding import shard_module, shard_parameter
@@ -65,6 +66,7 @@ __all__ = [
     "ShardingPlan",
     "ShardingSpec",
     "TensorProperties",
+    "Work",
     "destroy",
     "empty_cache",
     "from_torch",

@@ -18,7 +18,15 @@ What is here:
   process-group API) and :func:`normalize_reduce_op` (``"sum"``, ``torch.distributed.ReduceOp.SUM``,
   ``"prod"`` ... to one of them), so every backend reads ``op=`` the same way.
 * **groups** — :class:`Group`, :func:`resolve_group` (every form a
-  ``process_group=`` argument takes), :data:`DEFAULT_TIMEOUT`.
+  ``process_group=`` argument takes), :data:`DEFAULT_TIMEOUT`, and
+  :class:`Work`, what a collective with ``async_op=True`` returns.
+* **one copy on one host** — :func:`local_all_to_all`, :func:`local_scatter`,
+  :func:`local_gather`, :func:`local_all_gather`: a backend's primitive
+  offers them its flat buffers first; when every rank of the group is on
+  this host they move the bytes by cross-memory attach (one copy, straight
+  from the sender's memory) and return True on every rank, else False on
+  every rank and the backend moves them itself. A backend opts in with a
+  class attribute ``_local_copy = True``.
 * **agreement** — :meth:`Group.agree`, the one "check locally, tell the
   peers, fail together" primitive, and :data:`AGREED_ERRORS`, the error
   kinds it carries to the peers.
@@ -39,6 +47,11 @@ from shardwise._comm.agreement import AGREED_ERRORS
 from shardwise._comm.buffers import empty, empty_like, live_bytes, peak_new_bytes, reset_peak, zeros
 from shardwise._comm.default_group import DEFAULT_TIMEOUT, resolve_group
 from shardwise._comm.group import Group
+from shardwise._comm.local_copy import all_gather as local_all_gather
+from shardwise._comm.local_copy import all_to_all as local_all_to_all
+from shardwise._comm.local_copy import gather as local_gather
+from shardwise._comm.local_copy import scatter as local_scatter
+from shardwise._comm.work import Work
 from shardwise._vocab.wire import BITWISE_REDUCE_OPS, REDUCE_OPS, normalize_reduce_op
 
 __all__ = [
@@ -47,9 +60,14 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "REDUCE_OPS",
     "Group",
+    "Work",
     "empty",
     "empty_like",
     "live_bytes",
+    "local_all_gather",
+    "local_all_to_all",
+    "local_gather",
+    "local_scatter",
     "normalize_reduce_op",
     "peak_new_bytes",
     "reset_peak",

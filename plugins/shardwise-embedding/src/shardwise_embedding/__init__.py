@@ -33,6 +33,7 @@ from shardwise_embedding._blocks import LocalBlock
 from shardwise_embedding._collection import ShardedEmbeddingBagCollection, shard_collection
 from shardwise_embedding._jagged import JaggedTensor, KeyedJaggedTensor
 from shardwise_embedding._keyed_tensor import KeyedTensor
+from shardwise_embedding._pipeline import SparseDistPipeline
 from shardwise_embedding._plan_data import (
     SHARDING_TYPES,
     Block,
@@ -67,6 +68,7 @@ __all__ = [
     "RowSparseSGD",
     "RowWiseAdagrad",
     "ShardedEmbeddingBagCollection",
+    "SparseDistPipeline",
     "TablePlan",
     "__version__",
     "make_blocks",

@@ -23,7 +23,7 @@ from torch import nn
 import shardwise.nn.functional as dist_f
 from shardwise import Group, ShardedTensor, sdk
 from shardwise_embedding._blocks import LocalBlock, register_block
-from shardwise_embedding._exchange import Routes, parse_inbox, route_ids
+from shardwise_embedding._exchange import Dispatched, Routes, parse_inbox, route_ids
 from shardwise_embedding._jagged import KeyedJaggedTensor
 from shardwise_embedding._keyed_tensor import KeyedTensor
 from shardwise_embedding._plan_data import EmbeddingShardingPlan, PlanError
@@ -222,6 +222,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             (r0, r1), (c0, c1) = block.rows, block.cols
             self.embedding_bags[t.name] = _LocalTable(block, dense.detach()[r0:r1, c0:c1].clone())
         self.last_exchange_bytes = (0, 0)
+        self._prefetched: Optional[Dispatched] = None
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         """The tables, in order."""
@@ -257,13 +258,54 @@ class ShardedEmbeddingBagCollection(nn.Module):
                     )
         return kjt
 
+    def prefetch(self, features: KeyedJaggedTensor) -> None:
+        """Start the input exchange of a batch that a later ``forward`` will pool.
+
+        Collective (every rank calls it, each with its own batch, at the
+        same point). The batch is checked and routed now, on every rank
+        together (a bad batch raises here: the real error on the rank at
+        fault, :class:`~shardwise.PeerError` on the others), and its ids
+        start travelling to their tables' owners in the background while
+        this rank goes on computing; ``forward(features)`` with the very
+        same object then takes the exchanged ids instead of exchanging
+        them again. The result is bit-for-bit that of an unprefetched
+        ``forward``. One batch at a time may wait prefetched: forward it
+        before prefetching the next. :class:`SparseDistPipeline` calls this
+        for you.
+
+        Args:
+            features: The batch, as ``forward`` would take it; do not
+                modify it until it has been forwarded.
+
+        Raises:
+            ValueError: a prefetched batch is still waiting for ``forward``
+                (on every rank that prefetched twice; PeerError on the others).
+            KeyError, IndexError, ValueError, PeerError: as ``forward``.
+        """
+        if self._prefetched is not None:
+            self.group.reject(
+                ValueError(
+                    "prefetch: the batch prefetched before has not been forwarded yet; forward it (the same "
+                    "KeyedJaggedTensor object) before prefetching another: one batch waits ahead at a time"
+                ),
+                op=OP,
+            )
+        self._prefetched = self._dispatch(features, async_op=True)
+
+    def _discard_prefetched(self) -> None:
+        """Drop the prefetched batch, if any, once its exchange is done (a pipeline stopped early)."""
+        if self._prefetched is not None:
+            self._prefetched.received()
+            self._prefetched = None
+
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         """Pool this rank's batch; collective: every rank of the group calls it, each with its own batch.
 
         Args:
             features: This rank's bags, keyed by the collection's features
                 (any order; every feature present; on any device: they are
-                moved to the tables').
+                moved to the tables'). If it was passed to :meth:`prefetch`,
+                its ids have already been exchanged and are used as they are.
 
         Returns:
             This rank's ``[batch, sum of dims]`` pooled vectors, features in
@@ -274,9 +316,27 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 the others raise PeerError).
             IndexError: an id outside its table's rows.
             ValueError: lengths that do not add up to the ids, or weights
-                with mean pooling.
+                with mean pooling; or a batch was prefetched and
+                ``features`` is not it.
             PeerError: another rank's input was bad.
         """
+        if self._prefetched is not None:
+            dispatched = self._prefetched
+            if dispatched.features is not features:
+                self.group.reject(
+                    ValueError(
+                        "forward: a batch was prefetched and not yet forwarded; forward that batch (the same "
+                        "KeyedJaggedTensor object passed to prefetch) before any other"
+                    ),
+                    op=OP,
+                )
+            self._prefetched = None
+        else:
+            dispatched = self._dispatch(features, async_op=False)
+        return self._pool(dispatched)
+
+    def _dispatch(self, features: KeyedJaggedTensor, async_op: bool) -> Dispatched:
+        """Check and route ``features``, and start (or run) the exchange of its ids."""
         group = self.group
         try:
             kjt = self._check(features)
@@ -285,6 +345,18 @@ class ShardedEmbeddingBagCollection(nn.Module):
         batch = kjt.stride()
         kjt = kjt.to(self._device())  # ids where the tables are (one copy; none when they already are)
         per_table = dict(zip([t.name for t in self._tables], self._split_by_table(kjt), strict=True))
+        routes = self._routes
+        sharded = [per_table[r.config.name] for r in routes.sharded]
+        messages = route_ids(routes, [s[0] for s in sharded], [s[1] for s in sharded], [s[2] for s in sharded], batch)
+        sent = sum(m.numel() * 8 for m in messages)
+        if async_op:
+            return Dispatched(features, batch, per_table, sent, group.all_to_all(messages, async_op=True))
+        return Dispatched(features, batch, per_table, sent, group.all_to_all(messages))
+
+    def _pool(self, dispatched: Dispatched) -> KeyedTensor:
+        """The pooled vectors of a dispatched batch: look up the owned blocks, exchange the partial bags."""
+        group, routes = self.group, self._routes
+        batch, per_table = dispatched.batch, dispatched.per_table
         replicated = [t for t in self._tables if self.plan[t.name].sharding_type == "data_parallel"]
         # The replicated tables' gradient sum is created before the exchange so that, in backward,
         # autograd runs it after the exchange's backward on every rank (a later node runs first).
@@ -295,16 +367,12 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 strict=True,
             )
         )
-        routes = self._routes
-        sharded = [per_table[r.config.name] for r in routes.sharded]
-        messages = route_ids(routes, [s[0] for s in sharded], [s[1] for s in sharded], [s[2] for s in sharded], batch)
-        received = group.all_to_all(messages)
-        sent_bytes = sum(m.numel() * 8 for m in messages)
+        received = dispatched.received()
         recv_bytes = sum(m.numel() * 8 for m in received)
         inboxes = parse_inbox(routes, group.rank, received)
         pooled_out = self._pool_owned(inboxes)
         pieces = self._exchange_pooled(pooled_out, batch)
-        sent_bytes += sum(p.numel() * p.element_size() for p in pooled_out)
+        sent_bytes = dispatched.sent_bytes + sum(p.numel() * p.element_size() for p in pooled_out)
         recv_bytes += sum(p.numel() * p.element_size() for p in pieces)
         self.last_exchange_bytes = (sent_bytes, recv_bytes)
         columns = self._assemble(pieces, batch, per_table, synced)

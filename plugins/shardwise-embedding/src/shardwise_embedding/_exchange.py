@@ -18,14 +18,17 @@ block's row blocks and lays the column blocks side by side.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 
 from shardwise_embedding._plan_data import Block, TablePlan
 from shardwise_embedding._tables import EmbeddingBagConfig
 
-__all__ = ["ColumnCut", "Routes", "TableRoute", "Inbox", "parse_inbox", "route_ids", "HEADER"]
+if TYPE_CHECKING:
+    from shardwise_embedding._jagged import KeyedJaggedTensor
+
+__all__ = ["ColumnCut", "Dispatched", "Routes", "TableRoute", "Inbox", "parse_inbox", "route_ids", "HEADER"]
 
 #: The int64 header of every input message: the sender's batch size, whether it sends weights.
 HEADER = 2
@@ -227,3 +230,20 @@ def parse_inbox(routes: Routes, rank: int, messages: Sequence[torch.Tensor]) -> 
             w = torch.cat(filled).to(routes.sharded[mine[j]].config.dtype)  # embedding_bag wants the table's
         out.append(Inbox(torch.cat(ids[j]), offsets, w, rows_from[j]))
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Dispatched:
+    """A batch checked, routed and with its ids' exchange started (or done), waiting to be pooled."""
+
+    features: KeyedJaggedTensor  # what the caller passed: forward recognises it by identity
+    batch: int
+    per_table: dict[str, tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]
+    sent_bytes: int
+    exchange: Any  # the ids each rank sent here, or a Work that gives them
+
+    def received(self) -> list[torch.Tensor]:
+        """The ids each rank sent here (waiting for the exchange if it is still running)."""
+        if isinstance(self.exchange, list):
+            return self.exchange
+        return list(self.exchange.wait())

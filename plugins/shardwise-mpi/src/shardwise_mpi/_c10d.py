@@ -65,6 +65,7 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from shardwise_mpi._c10d_buffers import gather_list, list_source, list_target, prefer_huge_pages, scatter_list
 from shardwise_mpi._libmpi import ensure_matching_library
 from shardwise_mpi._watchdog import Watchdog
 
@@ -173,6 +174,7 @@ class MpiProcessGroup(dist.ProcessGroup):
         self._name = group_name
         self._desc = "undefined"
         self._C = _collectives()
+        self._side_comm: Any = None  # see _side()
         # MPI cannot cancel a blocked call: past the group's timeout the job is reported and aborted.
         self._watch = Watchdog(
             timeout,
@@ -203,11 +205,25 @@ class MpiProcessGroup(dist.ProcessGroup):
         return f"MpiProcessGroup(rank={self.rank()}, size={self.size()})"
 
     def shutdown(self) -> None:
-        """Free the group's communicator (``destroy_process_group`` calls this)."""
+        """Free the group's communicators (``destroy_process_group`` calls this)."""
         self._watch.close()
         comm, self.comm = self.comm, None
-        if comm is not None and not _mpi().Is_finalized():
-            comm.Free()
+        side, self._side_comm = self._side_comm, None
+        if not _mpi().Is_finalized():
+            for c in (side, comm):
+                if c is not None:
+                    c.Free()
+
+    def _side(self) -> Any:
+        """A duplicate of the group's communicator for the point-to-point messages of ``scatter``/``gather``.
+
+        Their messages then never match the program's own ``send``/``recv`` on
+        the group. Made on first use: every rank of the group is then inside
+        the same collective, so the (collective) duplication matches.
+        """
+        if self._side_comm is None:
+            self._side_comm = self.comm.Dup()
+        return self._side_comm
 
     # --- collectives ----------------------------------------------------
     def barrier(self, opts: Any = None) -> Any:
@@ -217,6 +233,8 @@ class MpiProcessGroup(dist.ProcessGroup):
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Any:
         for t in tensors:
+            if self.rank() != opts.rootRank:
+                prefer_huge_pages(t)
             with self._watch("broadcast"):
                 self._C.bcast(self.comm, t, opts.rootRank)
         return _completed(tensors)
@@ -245,6 +263,7 @@ class MpiProcessGroup(dist.ProcessGroup):
         return _completed(tensors)
 
     def _allgather_base(self, output: torch.Tensor, inp: torch.Tensor, opts: Any = None) -> Any:
+        prefer_huge_pages(output)
         with self._watch("all_gather"):
             self._C.allgatherv(self.comm, output, inp, [inp.numel()] * self.size())
         return _completed([output])
@@ -258,12 +277,11 @@ class MpiProcessGroup(dist.ProcessGroup):
 
     def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> Any:
         for outs, inp in zip(output_lists, inputs, strict=True):
-            counts = [o.numel() for o in outs]
-            flat = torch.empty(sum(counts), dtype=inp.dtype, device=inp.device)
+            # Outputs back to back in one buffer (t.split(k)) are gathered into directly.
+            flat, finish = list_target(outs, inp.dtype, inp.device)
             with self._watch("all_gather"):
-                self._C.allgatherv(self.comm, flat, inp, counts)
-            for o, piece in zip(outs, flat.split(counts), strict=True):
-                o.copy_(piece.view(o.shape))
+                self._C.allgatherv(self.comm, flat, inp, [o.numel() for o in outs])
+            finish()
         return _completed(output_lists)
 
     def allgather_coalesced(
@@ -293,7 +311,9 @@ class MpiProcessGroup(dist.ProcessGroup):
         op, factor = _op(opts)
         for out, ins in zip(outputs, input_lists, strict=True):
             counts = [t.numel() for t in ins]
-            flat = torch.cat([t.reshape(-1) for t in ins])
+            # Inputs back to back in one buffer are read where they are (the
+            # collective copies an input that overlaps the output).
+            flat = list_source(ins) if factor is None else torch.cat([t.reshape(-1) for t in ins])
             if factor is not None:
                 _scaled(flat, factor, in_place=True)  # flat is this call's own copy
             with self._watch("reduce_scatter"):
@@ -317,6 +337,7 @@ class MpiProcessGroup(dist.ProcessGroup):
         in_splits = list(input_split_sizes) or [inp.shape[0] // size] * size
         out_splits = list(output_split_sizes) or [output.shape[0] // size] * size
         out_counts, in_counts = [s * out_row for s in out_splits], [s * in_row for s in in_splits]
+        prefer_huge_pages(output)
         with self._watch("all_to_all"):
             self._C.alltoallv(self.comm, output, out_counts, inp, in_counts)
         return _completed([output])
@@ -324,47 +345,36 @@ class MpiProcessGroup(dist.ProcessGroup):
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> Any:
         in_counts = [t.numel() for t in inputs]
         out_counts = [t.numel() for t in outputs]
-        flat_in = torch.cat([t.reshape(-1) for t in inputs])
-        flat_out = torch.empty(sum(out_counts), dtype=flat_in.dtype, device=flat_in.device)
+        # Lists back to back in one buffer are used where they are (the collective
+        # copies an input that overlaps the output); others are staged.
+        flat_in = list_source(inputs)
+        flat_out, finish = list_target(outputs, flat_in.dtype, flat_in.device)
         with self._watch("all_to_all"):
             self._C.alltoallv(self.comm, flat_out, out_counts, flat_in, in_counts)
-        for o, piece in zip(outputs, flat_out.split(out_counts), strict=True):
-            o.copy_(piece.view(o.shape))
+        finish()
         return _completed(outputs)
 
     def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any) -> Any:
-        root = opts.rootRank
+        # Point to point, each output received where it is: the outputs are
+        # usually separate tensors, which one MPI_Gatherv would need staged.
         (inp,) = inputs
-        # Non-root ranks know only their own size: the root's output list gives all.
-        if self.rank() == root:
-            outs = output_lists[0]
-            counts = [o.numel() for o in outs]
-            flat = torch.empty(sum(counts), dtype=inp.dtype, device=inp.device)
-            with self._watch("gather"):
-                self._C.gatherv(self.comm, flat, inp, counts, root)
-            for o, piece in zip(outs, flat.split(counts), strict=True):
-                o.copy_(piece.view(o.shape))
-        else:
-            counts = [0] * self.size()
-            counts[self.rank()] = inp.numel()
-            with self._watch("gather"):
-                self._C.gatherv(self.comm, None, inp, counts, root)
+        outs = output_lists[0] if self.rank() == opts.rootRank else None
+        if outs is not None and len(outs) != self.size():
+            raise ValueError(f"gather: the root needs {self.size()} output tensors, got {len(outs)}")
+        side = self._side()
+        with self._watch("gather"):
+            gather_list(_mpi(), side, outs, inp, opts.rootRank, self._C.overlaps)
         return _completed(output_lists)
 
     def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any) -> Any:
-        root = opts.rootRank
+        # Point to point, each piece sent from where it is (see gather).
         (out,) = outputs
-        if self.rank() == root:
-            ins = input_lists[0]
-            counts = [t.numel() for t in ins]
-            flat = torch.cat([t.reshape(-1) for t in ins]) if ins else None
-            with self._watch("scatter"):
-                self._C.scatterv(self.comm, out, flat, counts, root)
-        else:
-            counts = [0] * self.size()
-            counts[self.rank()] = out.numel()
-            with self._watch("scatter"):
-                self._C.scatterv(self.comm, out, None, counts, root)
+        ins = input_lists[0] if self.rank() == opts.rootRank else None
+        if ins is not None and len(ins) != self.size():
+            raise ValueError(f"scatter: the root needs {self.size()} input tensors, got {len(ins)}")
+        side = self._side()
+        with self._watch("scatter"):
+            scatter_list(_mpi(), side, out, ins, opts.rootRank, self._C.overlaps)
         return _completed(outputs)
 
     # torch 2.13's Python front end calls these names on the group; the C++
@@ -400,6 +410,7 @@ class MpiProcessGroup(dist.ProcessGroup):
         MPI = _mpi()
         for t in tensors:
             buf = t.detach() if (t.is_contiguous() and t.device.type == "cpu") else torch.empty_like(t, device="cpu")
+            prefer_huge_pages(buf)
             with self._watch("recv"):
                 self.comm.Recv(
                     [MPI.buffer.fromaddress(buf.data_ptr(), buf.numel() * buf.element_size()), MPI.BYTE],

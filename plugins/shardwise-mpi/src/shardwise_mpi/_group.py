@@ -27,7 +27,16 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from shardwise.sdk import DEFAULT_TIMEOUT, REDUCE_OPS, Group, empty_like
+from shardwise.sdk import (
+    DEFAULT_TIMEOUT,
+    REDUCE_OPS,
+    Group,
+    empty_like,
+    local_all_gather,
+    local_all_to_all,
+    local_gather,
+    local_scatter,
+)
 from shardwise_mpi import _collectives as C
 from shardwise_mpi._watchdog import Watchdog
 
@@ -98,6 +107,10 @@ class MpiGroup(Group):
             destroys it too.
     """
 
+    #: Ranks on one host move data by cross-memory attach (``shardwise.sdk.local_all_to_all`` ...):
+    #: one copy from the sender's memory, where MPI's shared-memory transport makes two.
+    _local_copy = True
+
     def __init__(
         self,
         comm: Any,
@@ -144,6 +157,8 @@ class MpiGroup(Group):
     def _direct_all_gather(self, tensor: torch.Tensor, out: torch.Tensor) -> bool:
         if not (_plain(tensor) and _plain(out)):
             return False
+        if local_all_gather(self, out, tensor, [tensor.numel()] * self.size, exchange=self._exchange):
+            return True
         with self._watch(self._describe("all_gather")):
             C.allgatherv(self.comm, out, tensor, [tensor.numel()] * self.size)
         return True
@@ -169,9 +184,17 @@ class MpiGroup(Group):
         trailing = tuple(tensor.shape[1:])
         result = out if out is not None else empty_like(tensor, (sum(outs), *trailing))
         per_row = math.prod(trailing)
+        out_counts, in_counts = [o * per_row for o in outs], [i * per_row for i in ins]
+        if local_all_to_all(self, result.view(-1), out_counts, tensor.view(-1), in_counts, exchange=self._exchange):
+            return result
         with self._watch(self._describe("all_to_all")):
-            C.alltoallv(self.comm, result, [o * per_row for o in outs], tensor, [i * per_row for i in ins])
+            C.alltoallv(self.comm, result, out_counts, tensor, in_counts)
         return result
+
+    def _exchange(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        """The one-copy path's all-gather of a few integers: MPI's own, never the primitives."""
+        with self._watch(self._describe("all_gather")):
+            C.allgatherv(self.comm, out, inp, [inp.numel()] * self.size)
 
     # -- primitives ------------------------------------------------------------
     def _reduction_dtype(self, dtype: torch.dtype) -> torch.dtype:
@@ -189,7 +212,11 @@ class MpiGroup(Group):
         with self._watch(self._describe("all_reduce")):
             C.allreduce(self.comm, buf, op)
 
+    # The data-moving primitives offer their buffers to the one-copy path first (outside the
+    # watchdog: it runs primitives of its own, each watched).
     def _all_gather(self, out: torch.Tensor, inp: torch.Tensor, counts: Sequence[int]) -> None:
+        if local_all_gather(self, out, inp, counts, exchange=self._exchange):
+            return
         with self._watch(self._describe("all_gather")):
             C.allgatherv(self.comm, out, inp, counts)
 
@@ -200,14 +227,20 @@ class MpiGroup(Group):
     def _all_to_all(
         self, out: torch.Tensor, out_counts: Sequence[int], inp: torch.Tensor, in_counts: Sequence[int]
     ) -> None:
+        if local_all_to_all(self, out, out_counts, inp, in_counts, exchange=self._exchange):
+            return
         with self._watch(self._describe("all_to_all")):
             C.alltoallv(self.comm, out, out_counts, inp, in_counts)
 
     def _gather(self, out: Optional[torch.Tensor], counts: Sequence[int], inp: torch.Tensor, dst: int) -> None:
+        if local_gather(self, out, counts, inp, dst, exchange=self._exchange):
+            return
         with self._watch(self._describe("gather")):
             C.gatherv(self.comm, out, inp, counts, dst)
 
     def _scatter(self, out: torch.Tensor, inp: Optional[torch.Tensor], counts: Sequence[int], src: int) -> None:
+        if local_scatter(self, out, inp, counts, src, exchange=self._exchange):
+            return
         with self._watch(self._describe("scatter")):
             C.scatterv(self.comm, out, inp, counts, src)
 
@@ -220,6 +253,27 @@ class MpiGroup(Group):
         if not member:
             return None
         return MpiGroup(sub, device=self._device, owns_comm=True, verify=self.verify, timeout=self._timeout)
+
+    def _check_async(self) -> None:
+        """Refuse ``async_op=True`` unless MPI was initialised with ``MPI_THREAD_MULTIPLE``.
+
+        An asynchronous collective runs on the group's worker thread. One
+        group's calls never overlap (the core queues them), which alone would
+        need only ``MPI_THREAD_SERIALIZED``; but the main thread may meanwhile
+        call MPI on another group (and the watchdog may call ``MPI_Abort``),
+        so MPI must allow concurrent calls. ``shardwise.init`` asks for
+        ``MULTIPLE``; a lower level means the program initialised MPI itself.
+        """
+        provided = MPI.Query_thread()
+        if provided < MPI.THREAD_MULTIPLE:
+            names = {MPI.THREAD_SINGLE: "SINGLE", MPI.THREAD_FUNNELED: "FUNNELED", MPI.THREAD_SERIALIZED: "SERIALIZED"}
+            raise RuntimeError(
+                f"rank {self.rank} of {self.size}: async_op=True on the mpi backend runs collectives on a "
+                f"worker thread, which needs MPI initialised with MPI_THREAD_MULTIPLE, but MPI provides "
+                f"MPI_THREAD_{names.get(provided, provided)}. Initialise MPI with "
+                "MPI.Init_thread(MPI.THREAD_MULTIPLE) (or let shardwise.init do it; mpi4py.rc.thread_level = "
+                '"multiple"), use an MPI library built with thread support, or call the collective without async_op.'
+            )
 
     def destroy(self) -> None:
         """Free the communicator (if this group made it); the group is unusable afterwards.

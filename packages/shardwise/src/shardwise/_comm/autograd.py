@@ -16,15 +16,25 @@ raise :class:`~shardwise.errors.PeerError` rather than wait for it (unless
 the group has ``verify=False``). Receive sizes that do not match what is
 sent raise :class:`~shardwise.errors.CollectiveMismatchError` on every rank.
 
+Each also takes ``async_op=True`` (torch's ``torch.distributed.nn.functional``
+has no such form; its plain collectives do): the arguments are checked and
+agreed at the call, the data moves on the group's worker thread, and the
+call returns a :class:`~shardwise._comm.work.Work` whose ``wait()`` returns
+the result connected to the autograd graph (grad mode as at the call). Do
+not modify the inputs, nor read the outputs, before ``wait()``. Backward
+passes stay blocking.
+
 Example:
     >>> import shardwise._comm.autograd as F
     >>> pieces = F.all_gather(x)            # one tensor per rank
     >>> total = F.all_reduce(x, op="sum")   # a new tensor; x is unchanged
+    >>> work = F.all_to_all_single(out, x, async_op=True)
+    >>> y = work.wait()                     # out, differentiable w.r.t. x
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional, Sequence, Union, cast
+from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Sequence, TypeVar, Union, cast, overload
 
 import torch
 from torch import Tensor
@@ -35,6 +45,7 @@ from shardwise._comm import buffers
 from shardwise._comm.checks import check_splits
 from shardwise._comm.default_group import resolve_group
 from shardwise._comm.group import Group
+from shardwise._comm.work import Work, chain
 from shardwise._vocab import wire as _wire
 
 if TYPE_CHECKING:
@@ -45,21 +56,26 @@ __all__ = ["all_gather", "all_reduce", "all_to_all", "all_to_all_single", "reduc
 GroupLike = Union[Group, "ProcessGroup", None]
 Grads = tuple[Optional[Tensor], ...]
 Splits = tuple[list[int], list[int]]  # rows received from, and sent to, each rank
+Done = Optional[list[Any]]  # the result of a collective issued with async_op=True, or None to run it now
+T = TypeVar("T")
+U = TypeVar("U")
 
 
 # -- autograd functions ------------------------------------------------------
 # Backward passes call these functions rather than the bare collectives, so
 # that double backward (create_graph=True) is tracked too. Caller-supplied
 # output tensors travel in a list: autograd then does not take them for
-# inputs, and returns the caller's own tensor.
+# inputs, and returns the caller's own tensor. ``done`` carries the result of
+# the forward collective when it was issued asynchronously (the function then
+# only connects it to the graph); backward passes run theirs now (None).
 
 
 class _AllGather(Function):
     @staticmethod
-    def forward(ctx: Any, group: Group, tensor: Tensor) -> tuple[Tensor, ...]:
+    def forward(ctx: Any, group: Group, done: Done, tensor: Tensor) -> tuple[Tensor, ...]:
         ctx.group = group
-        pieces = group.all_gather(tensor)
-        if ctx.needs_input_grad[1]:
+        pieces = group.all_gather(tensor) if done is None else done[0]
+        if ctx.needs_input_grad[2]:
             # Autograd forbids in-place changes to views of one buffer.
             pieces = [p.clone() for p in pieces]
         return tuple(pieces)
@@ -69,32 +85,32 @@ class _AllGather(Function):
         group: Group = ctx.group
         # Rank r's tensor fills slot r everywhere: it sums that slot's grads.
         out = buffers.empty_like(grads[group.rank])
-        return None, _ReduceScatter.apply(group, [out], "sum", *grads)
+        return None, None, _ReduceScatter.apply(group, None, [out], "sum", *grads)
 
 
 class _ReduceScatter(Function):
     @staticmethod
-    def forward(ctx: Any, group: Group, box: list[Tensor], op: str, *inputs: Tensor) -> Tensor:
+    def forward(ctx: Any, group: Group, done: Done, box: list[Tensor], op: str, *inputs: Tensor) -> Tensor:
         ctx.group, ctx.op = group, op
-        return group.reduce_scatter(list(inputs), op, out=box[0])
+        return group.reduce_scatter(list(inputs), op, out=box[0]) if done is None else done[0]
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Grads:
         group: Group = ctx.group
         # Chunk r of every input reaches only rank r's output.
-        grads = _AllGather.apply(group, grad)
+        grads = _AllGather.apply(group, None, grad)
         if ctx.op == "avg":
             grads = tuple(g / group.size for g in grads)
-        return (None, None, None, *grads)
+        return (None, None, None, None, *grads)
 
 
 class _AllToAll(Function):
     @staticmethod
-    def forward(ctx: Any, group: Group, outputs: list[Tensor], rows: Splits, *inputs: Tensor) -> tuple[Tensor, ...]:
+    def forward(
+        ctx: Any, group: Group, done: Done, outputs: list[Tensor], rows: Splits, *inputs: Tensor
+    ) -> tuple[Tensor, ...]:
         ctx.group, ctx.rows, ctx.in_shapes = group, rows, [t.shape for t in inputs]
-        # One all_to_all_single, unlike Group.all_to_all, makes the group
-        # check on every rank that each rank is sent the rows it expects.
-        received = group.all_to_all_single(torch.cat([_as_rows(t) for t in inputs]), *rows)
+        received = _send_rows(group, inputs, rows) if done is None else done[0]
         for out, piece in zip(outputs, received.split(rows[0]), strict=True):
             out.copy_(piece.reshape(out.shape))
         return tuple(outputs)
@@ -103,31 +119,29 @@ class _AllToAll(Function):
     def backward(ctx: Any, *grads: Tensor) -> Grads:
         # Gradients retrace the data's route back to the senders.
         back = [buffers.empty_like(grads[0], shape) for shape in ctx.in_shapes]
-        return (None, None, None, *_AllToAll.apply(ctx.group, back, ctx.rows[::-1], *grads))
+        return (None, None, None, None, *_AllToAll.apply(ctx.group, None, back, ctx.rows[::-1], *grads))
 
 
 class _AllToAllSingle(Function):
     @staticmethod
-    def forward(ctx: Any, group: Group, box: list[Tensor], rows: Splits, tensor: Tensor) -> Tensor:
+    def forward(ctx: Any, group: Group, done: Done, box: list[Tensor], rows: Splits, tensor: Tensor) -> Tensor:
         ctx.group, ctx.rows, ctx.in_shape = group, rows, tensor.shape
-        return group.all_to_all_single(tensor, *rows, out=box[0])
+        return group.all_to_all_single(tensor, *rows, out=box[0]) if done is None else done[0]
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Grads:
         back = buffers.empty_like(grad, ctx.in_shape)
-        return None, None, None, _AllToAllSingle.apply(ctx.group, [back], ctx.rows[::-1], grad)
+        return None, None, None, None, _AllToAllSingle.apply(ctx.group, None, [back], ctx.rows[::-1], grad)
 
 
 class _AllReduce(Function):
     @staticmethod
-    def forward(ctx: Any, group: Group, op: Any, tensor: Tensor) -> Tensor:
-        # A non-tensor goes to the group as is, which rejects it on every rank.
-        buf = tensor.detach().clone(memory_format=torch.contiguous_format) if torch.is_tensor(tensor) else tensor
-        result = group.all_reduce(buf, op)
+    def forward(ctx: Any, group: Group, done: Done, op: Any, tensor: Tensor) -> Tensor:
+        result = group.all_reduce(_copy(tensor), op) if done is None else done[0]
         ctx.group, ctx.op = group, _wire.normalize_reduce_op(op)
-        if ctx.needs_input_grad[2] and ctx.op in ("max", "min"):
+        if ctx.needs_input_grad[3] and ctx.op in ("max", "min"):
             ctx.save_for_backward(tensor.detach() == result)
-        elif ctx.needs_input_grad[2] and ctx.op == "product":
+        elif ctx.needs_input_grad[3] and ctx.op == "product":
             ctx.save_for_backward(tensor)
         return result
 
@@ -138,17 +152,17 @@ class _AllReduce(Function):
         # Every rank's loss reads the same result y, so dL/dx_r is dy/dx_r
         # times the sum of all ranks' gradients.
         if op == "avg":
-            return None, None, _AllReduce.apply(group, "avg", grad)
-        total = _AllReduce.apply(group, "sum", grad)
+            return None, None, None, _AllReduce.apply(group, None, "avg", grad)
+        total = _AllReduce.apply(group, None, "sum", grad)
         if op == "sum":
-            return None, None, total
+            return None, None, None, total
         (saved,) = ctx.saved_tensors
         if op in ("max", "min"):
             hit = saved.to(grad.dtype)
             # Tied ranks share the gradient, as with torch.amax. Where no
             # rank matches (NaN) the clamp makes the gradient zero, not NaN.
             count = group.all_reduce(hit.clone(), "sum").clamp_(min=1)
-            return None, None, total * hit / count
+            return None, None, None, total * hit / count
         # product: dy/dx_r is the product of the other ranks' values. y / x_r
         # fails where x_r == 0, so build it from the product of the nonzero
         # values and the count of zeros. zero_sum is 0 but carries the zero
@@ -156,23 +170,35 @@ class _AllReduce(Function):
         zero = saved == 0
         zeros = group.all_reduce(zero.to(saved.dtype), "sum")
         nonzero = torch.where(zero, torch.ones_like(saved), saved)
-        nonzero_prod = _AllReduce.apply(group, "product", nonzero)
-        zero_sum = _AllReduce.apply(group, "sum", torch.where(zero, saved, torch.zeros_like(saved)))
+        nonzero_prod = _AllReduce.apply(group, None, "product", nonzero)
+        zero_sum = _AllReduce.apply(group, None, "sum", torch.where(zero, saved, torch.zeros_like(saved)))
         when_zero = (zeros == 1) + (zero_sum - saved) * (zeros == 2)
         when_nonzero = ((zeros == 0) + zero_sum * (zeros == 1)) / nonzero
-        return None, None, total * nonzero_prod * torch.where(zero, when_zero, when_nonzero)
+        return None, None, None, total * nonzero_prod * torch.where(zero, when_zero, when_nonzero)
 
 
 # -- public API ----------------------------------------------------------------
 
 
-def all_gather(tensor: Tensor, group: GroupLike = None) -> tuple[Tensor, ...]:
+@overload
+def all_gather(tensor: Tensor, group: GroupLike = None, *, async_op: Literal[False] = False) -> tuple[Tensor, ...]: ...
+
+
+@overload
+def all_gather(tensor: Tensor, group: GroupLike = None, *, async_op: Literal[True]) -> Work[tuple[Tensor, ...]]: ...
+
+
+def all_gather(
+    tensor: Tensor, group: GroupLike = None, *, async_op: bool = False
+) -> Union[tuple[Tensor, ...], Work[tuple[Tensor, ...]]]:
     """Gather every rank's ``tensor`` on every rank.
 
     Args:
         tensor: This rank's tensor; dim 0 may differ between ranks, dtype
             and the other dims must agree.
         group: The group to work on (None: the default group).
+        async_op: Return a :class:`~shardwise._comm.work.Work` whose
+            ``wait()`` returns the result (see the module docstring).
 
     Returns:
         One tensor per rank, in rank order. The gradient of a rank's
@@ -181,10 +207,28 @@ def all_gather(tensor: Tensor, group: GroupLike = None) -> tuple[Tensor, ...]:
     Raises:
         TypeError: ``group`` is not a group, or ``tensor`` is not a tensor.
     """
-    return cast(tuple[Tensor, ...], _AllGather.apply(resolve_group(group), tensor))
+    grp = resolve_group(group)
+    if async_op:
+        work = grp.all_gather(tensor, async_op=True)
+        return _later(work, lambda pieces: cast(tuple[Tensor, ...], _AllGather.apply(grp, [pieces], tensor)))
+    return cast(tuple[Tensor, ...], _AllGather.apply(grp, None, tensor))
 
 
-def all_reduce(tensor: Tensor, op: Any = ReduceOp.SUM, group: GroupLike = None) -> Tensor:
+@overload
+def all_reduce(
+    tensor: Tensor, op: Any = ReduceOp.SUM, group: GroupLike = None, *, async_op: Literal[False] = False
+) -> Tensor: ...
+
+
+@overload
+def all_reduce(
+    tensor: Tensor, op: Any = ReduceOp.SUM, group: GroupLike = None, *, async_op: Literal[True]
+) -> Work[Tensor]: ...
+
+
+def all_reduce(
+    tensor: Tensor, op: Any = ReduceOp.SUM, group: GroupLike = None, *, async_op: bool = False
+) -> Union[Tensor, Work[Tensor]]:
     """Reduce ``tensor`` across ranks into a new tensor (``tensor`` is unchanged).
 
     With ``G`` the sum of every rank's result gradient and ``W`` ranks, the
@@ -196,6 +240,7 @@ def all_reduce(tensor: Tensor, op: Any = ReduceOp.SUM, group: GroupLike = None) 
         tensor: Same dtype and shape on every rank.
         op: ``ReduceOp.SUM``/``AVG``/``MAX``/``MIN``/``PRODUCT``, or its name.
         group: The group to work on (None: the default group).
+        async_op: See :func:`all_gather`.
 
     Returns:
         The reduction, the same on every rank.
@@ -205,12 +250,43 @@ def all_reduce(tensor: Tensor, op: Any = ReduceOp.SUM, group: GroupLike = None) 
             dtype (avg of integers).
         ValueError: ``op`` is not a known reduction.
     """
-    return cast(Tensor, _AllReduce.apply(resolve_group(group), op, tensor))
+    grp = resolve_group(group)
+    if async_op:
+        work = grp.all_reduce(_copy(tensor), op, async_op=True)
+        return _later(work, lambda result: cast(Tensor, _AllReduce.apply(grp, [result], op, tensor)))
+    return cast(Tensor, _AllReduce.apply(grp, None, op, tensor))
+
+
+@overload
+def reduce_scatter(
+    output: Tensor,
+    input_list: Sequence[Tensor],
+    op: Any = ReduceOp.SUM,
+    group: GroupLike = None,
+    *,
+    async_op: Literal[False] = False,
+) -> Tensor: ...
+
+
+@overload
+def reduce_scatter(
+    output: Tensor,
+    input_list: Sequence[Tensor],
+    op: Any = ReduceOp.SUM,
+    group: GroupLike = None,
+    *,
+    async_op: Literal[True],
+) -> Work[Tensor]: ...
 
 
 def reduce_scatter(
-    output: Tensor, input_list: Sequence[Tensor], op: Any = ReduceOp.SUM, group: GroupLike = None
-) -> Tensor:
+    output: Tensor,
+    input_list: Sequence[Tensor],
+    op: Any = ReduceOp.SUM,
+    group: GroupLike = None,
+    *,
+    async_op: bool = False,
+) -> Union[Tensor, Work[Tensor]]:
     """Reduce ``input_list[r]`` across ranks into rank r's ``output``.
 
     Args:
@@ -220,6 +296,7 @@ def reduce_scatter(
             on every rank, but dim 0 may differ between r's.
         op: As for :func:`all_reduce`; only sum and avg are differentiable.
         group: The group to work on (None: the default group).
+        async_op: See :func:`all_gather`.
 
     Returns:
         ``output``, filled. The gradient of ``input_list[r]`` is rank r's
@@ -240,12 +317,39 @@ def reduce_scatter(
             raise ValueError(f"reduce_scatter with op {name!r} has no gradient; use sum or avg, or detach the inputs")
     except (TypeError, ValueError) as exc:
         grp.reject(exc)
-    return cast(Tensor, _ReduceScatter.apply(grp, [output], name, *inputs))
+    if async_op:
+        work = grp.reduce_scatter(inputs, name, out=output, async_op=True)
+        return _later(work, lambda result: cast(Tensor, _ReduceScatter.apply(grp, [result], [output], name, *inputs)))
+    return cast(Tensor, _ReduceScatter.apply(grp, None, [output], name, *inputs))
+
+
+@overload
+def all_to_all(
+    output_tensor_list: Sequence[Tensor],
+    input_tensor_list: Sequence[Tensor],
+    group: GroupLike = None,
+    *,
+    async_op: Literal[False] = False,
+) -> tuple[Tensor, ...]: ...
+
+
+@overload
+def all_to_all(
+    output_tensor_list: Sequence[Tensor],
+    input_tensor_list: Sequence[Tensor],
+    group: GroupLike = None,
+    *,
+    async_op: Literal[True],
+) -> Work[tuple[Tensor, ...]]: ...
 
 
 def all_to_all(
-    output_tensor_list: Sequence[Tensor], input_tensor_list: Sequence[Tensor], group: GroupLike = None
-) -> tuple[Tensor, ...]:
+    output_tensor_list: Sequence[Tensor],
+    input_tensor_list: Sequence[Tensor],
+    group: GroupLike = None,
+    *,
+    async_op: bool = False,
+) -> Union[tuple[Tensor, ...], Work[tuple[Tensor, ...]]]:
     """Send ``input_tensor_list[r]`` to rank r and receive into ``output_tensor_list``.
 
     Args:
@@ -254,6 +358,7 @@ def all_to_all(
         input_tensor_list: One tensor per rank. Dim 0 may differ; dtype and
             the other dims agree between tensors, outputs, and ranks.
         group: The group to work on (None: the default group).
+        async_op: See :func:`all_gather`.
 
     Returns:
         ``output_tensor_list`` as a tuple, filled. Gradients go back along
@@ -274,7 +379,36 @@ def all_to_all(
     except (TypeError, ValueError) as exc:
         grp.reject(exc)
     rows = [_rows(t) for t in outputs], [_rows(t) for t in inputs]
-    return cast(tuple[Tensor, ...], _AllToAll.apply(grp, outputs, rows, *inputs))
+    if async_op:
+        work = _send_rows(grp, inputs, rows, async_op=True)
+        return _later(
+            work, lambda received: cast(tuple[Tensor, ...], _AllToAll.apply(grp, [received], outputs, rows, *inputs))
+        )
+    return cast(tuple[Tensor, ...], _AllToAll.apply(grp, None, outputs, rows, *inputs))
+
+
+@overload
+def all_to_all_single(
+    output: Tensor,
+    input: Tensor,
+    output_split_sizes: Optional[Sequence[int]] = None,
+    input_split_sizes: Optional[Sequence[int]] = None,
+    group: GroupLike = None,
+    *,
+    async_op: Literal[False] = False,
+) -> Tensor: ...
+
+
+@overload
+def all_to_all_single(
+    output: Tensor,
+    input: Tensor,
+    output_split_sizes: Optional[Sequence[int]] = None,
+    input_split_sizes: Optional[Sequence[int]] = None,
+    group: GroupLike = None,
+    *,
+    async_op: Literal[True],
+) -> Work[Tensor]: ...
 
 
 def all_to_all_single(
@@ -283,7 +417,9 @@ def all_to_all_single(
     output_split_sizes: Optional[Sequence[int]] = None,
     input_split_sizes: Optional[Sequence[int]] = None,
     group: GroupLike = None,
-) -> Tensor:
+    *,
+    async_op: bool = False,
+) -> Union[Tensor, Work[Tensor]]:
     """Split ``input`` along dim 0, send piece r to rank r, and concatenate what arrives into ``output``.
 
     Args:
@@ -295,6 +431,7 @@ def all_to_all_single(
         input_split_sizes: Rows to send to each rank; None or empty:
             ``input``'s dim 0 split evenly.
         group: The group to work on (None: the default group).
+        async_op: See :func:`all_gather`.
 
     Returns:
         ``output``, filled. The gradient of ``input`` is the output's
@@ -315,10 +452,51 @@ def all_to_all_single(
         out_rows = check_splits(output_split_sizes, output.shape[0], grp.size, "output_split_sizes")
     except (TypeError, ValueError) as exc:
         grp.reject(exc)
-    return cast(Tensor, _AllToAllSingle.apply(grp, [output], (out_rows, in_rows), input))
+    rows = (out_rows, in_rows)
+    if async_op:
+        work = grp.all_to_all_single(input, out_rows, in_rows, out=output, async_op=True)
+        return _later(work, lambda result: cast(Tensor, _AllToAllSingle.apply(grp, [result], [output], rows, input)))
+    return cast(Tensor, _AllToAllSingle.apply(grp, None, [output], rows, input))
 
 
 # -- helpers -------------------------------------------------------------------
+
+
+def _later(work: Work[T], connect: Callable[[T], U]) -> Work[U]:
+    """``work``, whose ``wait()`` also runs ``connect(result)`` (once), under the grad mode of this call."""
+    grad = torch.is_grad_enabled()
+
+    def then(value: T) -> U:
+        with torch.set_grad_enabled(grad):
+            return connect(value)
+
+    return chain(work, then)
+
+
+def _copy(tensor: Any) -> Any:
+    """A detached contiguous copy to reduce in place; a non-tensor as is (the group rejects it on every rank)."""
+    return tensor.detach().clone(memory_format=torch.contiguous_format) if torch.is_tensor(tensor) else tensor
+
+
+@overload
+def _send_rows(group: Group, inputs: Sequence[Tensor], rows: Splits) -> Tensor: ...
+
+
+@overload
+def _send_rows(group: Group, inputs: Sequence[Tensor], rows: Splits, *, async_op: Literal[True]) -> Work[Tensor]: ...
+
+
+def _send_rows(
+    group: Group, inputs: Sequence[Tensor], rows: Splits, *, async_op: bool = False
+) -> Union[Tensor, Work[Tensor]]:
+    """All-to-all of ``inputs`` as one tensor of rows: what arrives, in rank order."""
+    # One all_to_all_single, unlike Group.all_to_all, makes the group
+    # check on every rank that each rank is sent the rows it expects.
+    with torch.no_grad():
+        joined = torch.cat([_as_rows(t) for t in inputs])
+    if async_op:
+        return group.all_to_all_single(joined, *rows, async_op=True)
+    return group.all_to_all_single(joined, *rows)
 
 
 def _rows(tensor: Tensor) -> int:

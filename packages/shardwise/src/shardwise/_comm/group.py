@@ -23,6 +23,11 @@ A backend may also offer a *direct path* for a validated call
 arguments after the handshake, and the backend moves the caller's memory
 itself or returns None/False to take the general path. Backends never
 override a public collective.
+
+Every public collective takes ``async_op=True`` and then returns a
+:class:`~shardwise._comm.work.Work`: the checks and the handshake still run
+in the caller's thread (bad input raises at the call, on every rank), and
+only the data movement runs on the group's worker thread.
 """
 
 from __future__ import annotations
@@ -30,7 +35,9 @@ from __future__ import annotations
 import abc
 import contextlib
 import ctypes
-from typing import Any, Callable, Iterator, Literal, NoReturn, Optional, Sequence, TypeVar, overload
+import functools
+import weakref
+from typing import Any, Callable, Iterator, Literal, NoReturn, Optional, Sequence, TypeVar, Union, overload
 
 import torch
 
@@ -66,6 +73,7 @@ from shardwise._comm.checks import (
     write_back,
 )
 from shardwise._comm.hosts import this_host
+from shardwise._comm.work import Work, Worker
 from shardwise._vocab import wire as _wire
 from shardwise._vocab.launch import Host, group_by_host
 from shardwise._vocab.switches import switched_on
@@ -76,11 +84,24 @@ VERIFY_ENV = "SHARDWISE_VERIFY_COLLECTIVES"
 T = TypeVar("T")
 
 
+def _stopping_async(method: Callable[[Group], None], *, drain: bool) -> Callable[[Group], None]:
+    """``method`` (a backend's destroy or destroy_local), after stopping the group's worker thread."""
+
+    @functools.wraps(method)
+    def run(self: Group) -> None:
+        self._stop_async(drain=drain)
+        method(self)
+
+    run._stops_async = True  # type: ignore[attr-defined]
+    return run
+
+
 class Group(abc.ABC):
     """A set of ranks that run collectives together.
 
-    Public collectives are blocking and must be called by every rank of
-    the group in the same order. Tensors may be on any device and of any
+    Public collectives are blocking (or, with ``async_op=True``, return a
+    :class:`~shardwise._comm.work.Work` to wait on) and must be called by
+    every rank of the group in the same order. Tensors may be on any device and of any
     layout: non-contiguous inputs are made contiguous, tensors that require
     grad are detached (use :mod:`shardwise._comm.autograd` for autograd), and
     tensors on a device the backend does not handle are staged through
@@ -104,6 +125,18 @@ class Group(abc.ABC):
 
     #: False only for the stand-in a rank outside a subgroup gets (see ``NonMemberGroup``).
     is_member: bool = True
+    #: Runs the data movement of asynchronous collectives; made on the first one.
+    _worker: Optional[Worker] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # A backend's destroy/destroy_local release what the worker may still be
+        # using (connections, communicators): its queued collectives are finished
+        # (destroy, which every rank calls) or abandoned (destroy_local) first.
+        for name, drain in (("destroy", True), ("destroy_local", False)):
+            method = cls.__dict__.get(name)
+            if method is not None and not getattr(method, "_stops_async", False):
+                setattr(cls, name, _stopping_async(method, drain=drain))
 
     def __init__(
         self,
@@ -284,12 +317,14 @@ class Group(abc.ABC):
         """
         return dtype
 
-    def destroy(self) -> None:  # noqa: B027 - backends without resources need not override it
+    def destroy(self) -> None:
         """Release the backend's resources; the group is unusable afterwards.
 
         Every rank calls it after its last collective; it may wait for the
         other ranks (a barrier) so none tears down connections a peer still uses.
+        Asynchronous collectives still pending finish first.
         """
+        self._stop_async(drain=True)
 
     def destroy_local(self) -> None:
         """Release this rank's resources without waiting for or talking to the other ranks.
@@ -300,8 +335,10 @@ class Group(abc.ABC):
         hang until the timeout. This rank's own unfinished work may complete
         first. The group is unusable afterwards. The default calls
         :meth:`destroy`; a backend whose :meth:`destroy` communicates (a
-        barrier) overrides this.
+        barrier) overrides this. Asynchronous collectives not started yet
+        fail (their ``wait()`` raises); a running one is left to end.
         """
+        self._stop_async(drain=False)
         self.destroy()
 
     # -- direct paths a backend may offer --------------------------------------
@@ -366,16 +403,26 @@ class Group(abc.ABC):
         return None if tensor.device.type in self._devices else self._device
 
     def _handshake(
-        self, prepare: Callable[[], Call], *, required: bool = False, label: Optional[str] = None
+        self,
+        prepare: Callable[[], Call],
+        *,
+        required: bool = False,
+        label: Optional[str] = None,
+        async_op: bool = False,
     ) -> tuple[Call, Optional[Rows]]:
         """Check locally with ``prepare``, then (if verifying or ``required``) agree with every rank.
 
         ``label`` names the call in a peer's :class:`PeerError` (default:
         the collective), so an API built on an agreement can say
         "shard_tensor: rank 1 ... rejected" instead of "exchange: ...".
+        ``async_op`` adds the backend's :meth:`_check_async` to the checks.
         """
+        if async_op:
+            prepare = functools.partial(self._async_prepare, prepare)
         if not (self.verify or required):
             return prepare(), None
+        # Calls reach the wire in issue order: queued collectives go first.
+        self._settle()
         error: Optional[Exception] = None
         try:
             call = prepare()
@@ -403,6 +450,44 @@ class Group(abc.ABC):
                 del error
         raise_verdict(rows, name)
         return call, rows
+
+    def _async_prepare(self, prepare: Callable[[], Call]) -> Call:
+        self._check_async()
+        return prepare()
+
+    # -- asynchronous collectives (see shardwise._comm.work) ---------------------
+    def _check_async(self) -> None:  # noqa: B027 - most backends can; those that cannot override it
+        """Raise if this backend cannot run collectives on a worker thread (default: it can).
+
+        Runs among an ``async_op=True`` collective's argument checks, so a
+        rank that cannot raises there and its peers raise :class:`PeerError`.
+        """
+
+    def _issue(self, name: str, move: Callable[[], T], async_op: bool) -> Union[T, Work[T]]:
+        """Run a checked and agreed collective's data movement now, or queue it and return its :class:`Work`."""
+        if not async_op:
+            self._settle()
+            return move()
+        self._check_async()
+        worker = self._worker
+        if worker is None:
+            worker = self._worker = Worker(f"shardwise-{self.backend}-rank{self.global_rank}-collectives")
+            # A group dropped without destroy() takes its (idle) thread with it.
+            weakref.finalize(self, worker.close, "the group was garbage-collected", drain=False)
+        where = f"rank {self.rank} of {self.size} ({self.backend})"
+        return worker.submit(Work(name, where, self._device), move, self._device)
+
+    def _settle(self) -> None:
+        """Wait until this group's queued asynchronous collectives have finished (at once when none are)."""
+        worker = self._worker
+        if worker is not None:
+            worker.drain()
+
+    def _stop_async(self, *, drain: bool) -> None:
+        """Stop the worker thread: after its queued collectives (``drain``) or abandoning those not started."""
+        worker = self._worker
+        if worker is not None:
+            worker.close("the group was destroyed", drain=drain and not worker.on_worker())
 
     @overload
     def agree(self, check: Callable[[], T], *, op: str, gather: Literal[False] = False) -> T: ...
@@ -527,18 +612,47 @@ class Group(abc.ABC):
         raise AssertionError("unreachable: the agreement re-raises the rejected error")
 
     # -- public collectives --------------------------------------------------
-    def barrier(self) -> None:
-        """Block until every rank of the group has reached it."""
-        if self.verify:
-            self._handshake(lambda: Call(op="barrier"))
-        else:
-            self._barrier()
+    # Each checks and agrees in the caller's thread, then hands its data
+    # movement (``move``) to _issue: run now, or queued on the worker with
+    # async_op=True (see shardwise._comm.work).
+    @overload
+    def barrier(self, *, async_op: Literal[False] = False) -> None: ...
 
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+    @overload
+    def barrier(self, *, async_op: Literal[True]) -> Work[None]: ...
+
+    def barrier(self, *, async_op: bool = False) -> Optional[Work[None]]:
+        """Block until every rank of the group has reached it.
+
+        Args:
+            async_op: Return a :class:`Work` at once instead of blocking
+                (when verifying, the handshake is the barrier, so the work
+                is complete on return).
+        """
+        if self.verify:
+            self._handshake(lambda: Call(op="barrier"), async_op=async_op)
+            return self._issue("barrier", lambda: None, async_op)
+        return self._issue("barrier", self._barrier, async_op)
+
+    @overload
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, *, async_op: Literal[False] = False) -> torch.Tensor: ...
+
+    @overload
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, *, async_op: Literal[True]) -> Work[torch.Tensor]: ...
+
+    def broadcast(
+        self, tensor: torch.Tensor, src: int = 0, *, async_op: bool = False
+    ) -> Union[torch.Tensor, Work[torch.Tensor]]:
         """Overwrite ``tensor`` on every rank with ``src``'s, in place.
 
+        Args:
+            tensor: Its dtype and shape must agree on all ranks.
+            src: The sending rank.
+            async_op: Return a :class:`Work` whose ``wait()`` returns the
+                result, instead of the result (every collective takes it).
+
         Returns:
-            ``tensor`` itself. Its dtype and shape must agree on all ranks.
+            ``tensor`` itself.
         """
 
         def prepare() -> Call:
@@ -546,18 +660,32 @@ class Group(abc.ABC):
             check_tensor(tensor, "tensor")
             return Call("broadcast", tensor.dtype, tuple(tensor.shape), root=src, count=tensor.numel())
 
-        _, rows = self._handshake(prepare)
+        _, rows = self._handshake(prepare, async_op=async_op)
         if rows is not None:
             check_tensor_rows(rows)
             check_same(rows, rows.count, what="number of elements")
-        if self._direct_broadcast(tensor, src):
-            return tensor
-        wire = _wire.to_bytes(tensor, self._wire_device(tensor))
-        self._broadcast(wire, src)
-        write_back(tensor, _wire.from_bytes(wire, tensor.dtype, tuple(tensor.shape)))
-        return tensor
 
-    def all_reduce(self, tensor: torch.Tensor, op: Any = "sum") -> torch.Tensor:
+        def move() -> torch.Tensor:
+            if self._direct_broadcast(tensor, src):
+                return tensor
+            wire = _wire.to_bytes(tensor, self._wire_device(tensor))
+            self._broadcast(wire, src)
+            write_back(tensor, _wire.from_bytes(wire, tensor.dtype, tuple(tensor.shape)))
+            return tensor
+
+        return self._issue("broadcast", move, async_op)
+
+    @overload
+    def all_reduce(
+        self, tensor: torch.Tensor, op: Any = "sum", *, async_op: Literal[False] = False
+    ) -> torch.Tensor: ...
+
+    @overload
+    def all_reduce(self, tensor: torch.Tensor, op: Any = "sum", *, async_op: Literal[True]) -> Work[torch.Tensor]: ...
+
+    def all_reduce(
+        self, tensor: torch.Tensor, op: Any = "sum", *, async_op: bool = False
+    ) -> Union[torch.Tensor, Work[torch.Tensor]]:
         """Reduce ``tensor`` across ranks in place.
 
         Args:
@@ -565,6 +693,7 @@ class Group(abc.ABC):
             op: ``"sum"``, ``"avg"``, ``"min"``, ``"max"``, ``"product"``
                 (or the matching ``torch.distributed.ReduceOp``). Bool
                 tensors: sum/max are "or", min/product are "and".
+            async_op: See :meth:`broadcast`.
 
         Returns:
             ``tensor`` itself, holding the result.
@@ -580,19 +709,23 @@ class Group(abc.ABC):
             self._reduction_dtype(_wire.wire_dtype(tensor.dtype))
             return Call("all_reduce", tensor.dtype, tuple(tensor.shape), reduce_op=name, count=tensor.numel())
 
-        call, rows = self._handshake(prepare)
+        call, rows = self._handshake(prepare, async_op=async_op)
         if rows is not None:
             check_tensor_rows(rows)
             check_same(rows, rows.count, what="number of elements")
-        if self._direct_all_reduce(tensor, call.reduce_op):
+
+        def move() -> torch.Tensor:
+            if self._direct_all_reduce(tensor, call.reduce_op):
+                return tensor
+            wire = _wire.to_wire(tensor, self._wire_device(tensor))
+            op_name, kind = self._wire_reduction(tensor.dtype, call.reduce_op)
+            buf = wire.to(kind)
+            self._all_reduce(buf, op_name)
+            self._finish_reduction(buf, call.reduce_op, wire)
+            write_back(tensor, _wire.from_wire(wire, tensor.dtype, tuple(tensor.shape)))
             return tensor
-        wire = _wire.to_wire(tensor, self._wire_device(tensor))
-        op_name, kind = self._wire_reduction(tensor.dtype, call.reduce_op)
-        buf = wire.to(kind)
-        self._all_reduce(buf, op_name)
-        self._finish_reduction(buf, call.reduce_op, wire)
-        write_back(tensor, _wire.from_wire(wire, tensor.dtype, tuple(tensor.shape)))
-        return tensor
+
+        return self._issue("all_reduce", move, async_op)
 
     def _wire_reduction(self, dtype: torch.dtype, op: str) -> tuple[str, torch.dtype]:
         """The op the backend runs for ``op`` on ``dtype``, and the dtype it runs in."""
@@ -606,7 +739,19 @@ class Group(abc.ABC):
         if buf.data_ptr() != out.data_ptr():
             out.copy_(buf)
 
-    def all_gather(self, tensor: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
+    @overload
+    def all_gather(
+        self, tensor: torch.Tensor, *, out: Optional[torch.Tensor] = None, async_op: Literal[False] = False
+    ) -> list[torch.Tensor]: ...
+
+    @overload
+    def all_gather(
+        self, tensor: torch.Tensor, *, out: Optional[torch.Tensor] = None, async_op: Literal[True]
+    ) -> Work[list[torch.Tensor]]: ...
+
+    def all_gather(
+        self, tensor: torch.Tensor, *, out: Optional[torch.Tensor] = None, async_op: bool = False
+    ) -> Union[list[torch.Tensor], Work[list[torch.Tensor]]]:
         """Every rank's ``tensor``, in rank order, on every rank.
 
         Sizes along dim 0 may differ between ranks; dtype and the other
@@ -621,50 +766,88 @@ class Group(abc.ABC):
                 sends the same number of rows, no sizes need to be agreed
                 (so with ``verify=False`` no handshake runs), and a caller
                 that gathers repeatedly reuses one buffer.
+            async_op: See :meth:`broadcast`.
 
         Returns:
             One tensor per rank (views into one buffer, ``out`` when given),
             on ``tensor``'s device (``out``'s when given).
         """
         if out is not None:
-            return self._all_gather_into(tensor, out)
+            return self._issue("all_gather", self._all_gather_into(tensor, out, async_op), async_op)
 
         def prepare() -> Call:
             check_tensor(tensor, "tensor")
             return Call("all_gather", tensor.dtype, tuple(tensor.shape), count=rows_of(tuple(tensor.shape)))
 
-        _, rows = self._handshake(prepare, required=True)
+        _, rows = self._handshake(prepare, required=True, async_op=async_op)
         assert rows is not None
         check_tensor_rows(rows)
         dims = [rows.count(r) for r in range(self.size)]
-        shape = tuple(tensor.shape)
-        wire = _wire.to_bytes(tensor, self._wire_device(tensor))
-        per_row = tensor.dtype.itemsize * prod(shape[1:])
-        counts = [d * per_row for d in dims]
-        gathered = buffers.empty_like(wire, (sum(counts),))
-        self._all_gather(gathered, wire, counts)
-        return split_out(gathered, counts, dims, shape, tensor.dtype, tensor.device)
 
-    def _all_gather_into(self, tensor: torch.Tensor, out: torch.Tensor) -> list[torch.Tensor]:
+        def move() -> list[torch.Tensor]:
+            shape = tuple(tensor.shape)
+            wire = _wire.to_bytes(tensor, self._wire_device(tensor))
+            per_row = tensor.dtype.itemsize * prod(shape[1:])
+            counts = [d * per_row for d in dims]
+            gathered = buffers.empty_like(wire, (sum(counts),))
+            self._all_gather(gathered, wire, counts)
+            return split_out(gathered, counts, dims, shape, tensor.dtype, tensor.device)
+
+        return self._issue("all_gather", move, async_op)
+
+    def _all_gather_into(
+        self, tensor: torch.Tensor, out: torch.Tensor, async_op: bool
+    ) -> Callable[[], list[torch.Tensor]]:
+        """Check and agree on an all-gather into ``out``; the data movement that follows."""
+
         def prepare() -> Call:
             check_tensor(tensor, "tensor")
             check_output(out, tensor.dtype, gathered_shape(tuple(tensor.shape), self.size), "out")
             return Call("all_gather", tensor.dtype, tuple(tensor.shape), count=rows_of(tuple(tensor.shape)))
 
-        _, rows = self._handshake(prepare)
+        _, rows = self._handshake(prepare, async_op=async_op)
         if rows is not None:
             check_tensor_rows(rows)
             check_same(rows, rows.count, what="number of rows (all_gather with out= needs equal sizes)")
-        if not self._direct_all_gather(tensor, out):
-            wire = _wire.to_bytes(tensor, self._wire_device(tensor))
-            target = _wire.to_bytes(out, self._wire_device(out))
-            self._all_gather(target, wire, [wire.numel()] * self.size)
-            write_back(out, _wire.from_bytes(target, out.dtype, tuple(out.shape)))
-        return list(out.unbind(0)) if tensor.dim() == 0 else list(out.chunk(self.size))
+
+        def move() -> list[torch.Tensor]:
+            if not self._direct_all_gather(tensor, out):
+                wire = _wire.to_bytes(tensor, self._wire_device(tensor))
+                target = _wire.to_bytes(out, self._wire_device(out))
+                self._all_gather(target, wire, [wire.numel()] * self.size)
+                write_back(out, _wire.from_bytes(target, out.dtype, tuple(out.shape)))
+            return list(out.unbind(0)) if tensor.dim() == 0 else list(out.chunk(self.size))
+
+        return move
+
+    @overload
+    def reduce_scatter(
+        self,
+        inputs: Sequence[torch.Tensor],
+        op: Any = "sum",
+        *,
+        out: Optional[torch.Tensor] = None,
+        async_op: Literal[False] = False,
+    ) -> torch.Tensor: ...
+
+    @overload
+    def reduce_scatter(
+        self,
+        inputs: Sequence[torch.Tensor],
+        op: Any = "sum",
+        *,
+        out: Optional[torch.Tensor] = None,
+        async_op: Literal[True],
+    ) -> Work[torch.Tensor]: ...
 
     def reduce_scatter(
-        self, inputs: Sequence[torch.Tensor], op: Any = "sum", *, out: Optional[torch.Tensor] = None
-    ) -> torch.Tensor:
+        self,
+        inputs: Sequence[torch.Tensor],
+        op: Any = "sum",
+        *,
+        out: Optional[torch.Tensor] = None,
+        async_op: bool = False,
+    ) -> Union[torch.Tensor, Work[torch.Tensor]]:
         """Reduce ``inputs[r]`` across ranks and return the result to rank r.
 
         Args:
@@ -675,6 +858,7 @@ class Group(abc.ABC):
             op: As for :meth:`all_reduce`.
             out: Optional tensor of ``inputs[self.rank]``'s shape and dtype
                 to write the result into.
+            async_op: See :meth:`broadcast`.
 
         Returns:
             The reduced ``inputs[self.rank]`` (``out`` when given), on its device.
@@ -690,17 +874,23 @@ class Group(abc.ABC):
             sizes = [rows_of(tuple(t.shape)) for t in inputs]
             return Call("reduce_scatter", inputs[0].dtype, shape, reduce_op=name, splits_a=sizes)
 
-        call, rows = self._handshake(prepare)
+        call, rows = self._handshake(prepare, async_op=async_op)
         if rows is not None:
             check_tensor_rows(rows)
             check_same(rows, rows.splits_a, what="size of each rank's chunk")
+        return self._issue("reduce_scatter", lambda: self._move_reduce_scatter(inputs, call.reduce_op, out), async_op)
+
+    def _move_reduce_scatter(
+        self, inputs: Sequence[torch.Tensor], reduce_op: str, out: Optional[torch.Tensor]
+    ) -> torch.Tensor:
+        """The data movement of :meth:`reduce_scatter` (arguments checked and agreed)."""
         joined = consecutive(inputs)
-        direct = self._direct_reduce_scatter(inputs, joined, call.reduce_op, out)
+        direct = self._direct_reduce_scatter(inputs, joined, reduce_op, out)
         if direct is not None:
             return direct
         dtype, device = inputs[0].dtype, inputs[0].device
         shape_r = tuple(inputs[self.rank].shape)
-        op_name, kind = self._wire_reduction(dtype, call.reduce_op)
+        op_name, kind = self._wire_reduction(dtype, reduce_op)
         if joined is not None and self._wire_device(joined) is None:
             inp = _wire.to_wire(joined, None).to(kind)
             counts = [t.numel() * (2 if dtype.is_complex else 1) for t in inputs]
@@ -717,17 +907,29 @@ class Group(abc.ABC):
         if wire_out is None:
             wire = _wire.wire_dtype(dtype)
             wire_out = buf if buf.dtype == wire else torch.empty_like(buf, dtype=wire)
-        self._finish_reduction(buf, call.reduce_op, wire_out)
+        self._finish_reduction(buf, reduce_op, wire_out)
         if out is None:
             return _wire.from_wire(wire_out, dtype, shape_r).to(device)
         write_back(out, _wire.from_wire(wire_out, dtype, shape_r))
         return out
 
-    def all_to_all(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    @overload
+    def all_to_all(self, inputs: Sequence[torch.Tensor], *, async_op: Literal[False] = False) -> list[torch.Tensor]: ...
+
+    @overload
+    def all_to_all(self, inputs: Sequence[torch.Tensor], *, async_op: Literal[True]) -> Work[list[torch.Tensor]]: ...
+
+    def all_to_all(
+        self, inputs: Sequence[torch.Tensor], *, async_op: bool = False
+    ) -> Union[list[torch.Tensor], Work[list[torch.Tensor]]]:
         """Send ``inputs[r]`` to rank r; return what each rank sent here.
 
         Sizes along dim 0 may differ per destination; dtype and the other
         dims must agree everywhere.
+
+        Args:
+            inputs: One tensor per rank.
+            async_op: See :meth:`broadcast`.
 
         Returns:
             ``out[r]`` is what rank r sent to this rank (views into one buffer).
@@ -738,18 +940,44 @@ class Group(abc.ABC):
             sizes = [rows_of(tuple(t.shape)) for t in inputs]
             return Call("all_to_all", inputs[0].dtype, shape, splits_a=sizes)
 
-        _, rows = self._handshake(prepare, required=True)
+        _, rows = self._handshake(prepare, required=True, async_op=async_op)
         assert rows is not None
         check_tensor_rows(rows)
-        dtype, device, shape = inputs[0].dtype, inputs[0].device, tuple(inputs[0].shape)
         recv_dims = [rows.splits_a(r)[self.rank] for r in range(self.size)]
-        flat = [_wire.to_bytes(t, self._wire_device(t)) for t in inputs]
-        inp = torch.cat(flat)
-        per_row = dtype.itemsize * prod(shape[1:])
-        out_counts = [d * per_row for d in recv_dims]
-        received = buffers.empty_like(inp, (sum(out_counts),))
-        self._all_to_all(received, out_counts, inp, [t.numel() for t in flat])
-        return split_out(received, out_counts, recv_dims, shape, dtype, device)
+
+        def move() -> list[torch.Tensor]:
+            dtype, device, shape = inputs[0].dtype, inputs[0].device, tuple(inputs[0].shape)
+            flat = [_wire.to_bytes(t, self._wire_device(t)) for t in inputs]
+            inp = torch.cat(flat)
+            per_row = dtype.itemsize * prod(shape[1:])
+            out_counts = [d * per_row for d in recv_dims]
+            received = buffers.empty_like(inp, (sum(out_counts),))
+            self._all_to_all(received, out_counts, inp, [t.numel() for t in flat])
+            return split_out(received, out_counts, recv_dims, shape, dtype, device)
+
+        return self._issue("all_to_all", move, async_op)
+
+    @overload
+    def all_to_all_single(
+        self,
+        tensor: torch.Tensor,
+        output_split_sizes: Optional[Sequence[int]] = None,
+        input_split_sizes: Optional[Sequence[int]] = None,
+        *,
+        out: Optional[torch.Tensor] = None,
+        async_op: Literal[False] = False,
+    ) -> torch.Tensor: ...
+
+    @overload
+    def all_to_all_single(
+        self,
+        tensor: torch.Tensor,
+        output_split_sizes: Optional[Sequence[int]] = None,
+        input_split_sizes: Optional[Sequence[int]] = None,
+        *,
+        out: Optional[torch.Tensor] = None,
+        async_op: Literal[True],
+    ) -> Work[torch.Tensor]: ...
 
     def all_to_all_single(
         self,
@@ -758,7 +986,8 @@ class Group(abc.ABC):
         input_split_sizes: Optional[Sequence[int]] = None,
         *,
         out: Optional[torch.Tensor] = None,
-    ) -> torch.Tensor:
+        async_op: bool = False,
+    ) -> Union[torch.Tensor, Work[torch.Tensor]]:
         """Split ``tensor`` along dim 0, send piece r to rank r, concatenate what arrives.
 
         Args:
@@ -771,6 +1000,7 @@ class Group(abc.ABC):
             out: Optional preallocated result (``tensor``'s dtype and
                 trailing dims). With ``out`` or both split sizes every rank
                 knows the sizes, so with ``verify=False`` no handshake runs.
+            async_op: See :meth:`broadcast`.
 
         Returns:
             The received rows: ``out`` when given, else a new tensor of
@@ -780,6 +1010,7 @@ class Group(abc.ABC):
         call, rows = self._handshake(
             lambda: all_to_all_single_call(tensor, output_split_sizes, input_split_sizes, out, self.size),
             required=need,
+            async_op=async_op,
         )
         ins = list(call.splits_a)
         if rows is not None:
@@ -788,29 +1019,46 @@ class Group(abc.ABC):
             outs = [rows.splits_a(r)[self.rank] for r in range(self.size)]
         else:
             outs = list(call.splits_b)
-        direct = self._direct_all_to_all_single(tensor, outs, ins, out)
-        if direct is not None:
-            return direct
-        shape = tuple(tensor.shape)
-        per_row = tensor.dtype.itemsize * prod(shape[1:])
-        wire = _wire.to_bytes(tensor, self._wire_device(tensor))
-        if out is None:
-            target = buffers.empty_like(wire, (sum(outs) * per_row,))
-        else:
-            target = _wire.to_bytes(out, self._wire_device(out))
-        self._all_to_all(target, [o * per_row for o in outs], wire, [i * per_row for i in ins])
-        if out is None:
-            return _wire.from_bytes(target, tensor.dtype, (sum(outs), *shape[1:])).to(tensor.device)
-        write_back(out, _wire.from_bytes(target, out.dtype, tuple(out.shape)))
-        return out
 
-    def scatter(self, tensors: Optional[Sequence[torch.Tensor]], src: int = 0) -> torch.Tensor:
+        def move() -> torch.Tensor:
+            direct = self._direct_all_to_all_single(tensor, outs, ins, out)
+            if direct is not None:
+                return direct
+            shape = tuple(tensor.shape)
+            per_row = tensor.dtype.itemsize * prod(shape[1:])
+            wire = _wire.to_bytes(tensor, self._wire_device(tensor))
+            if out is None:
+                target = buffers.empty_like(wire, (sum(outs) * per_row,))
+            else:
+                target = _wire.to_bytes(out, self._wire_device(out))
+            self._all_to_all(target, [o * per_row for o in outs], wire, [i * per_row for i in ins])
+            if out is None:
+                return _wire.from_bytes(target, tensor.dtype, (sum(outs), *shape[1:])).to(tensor.device)
+            write_back(out, _wire.from_bytes(target, out.dtype, tuple(out.shape)))
+            return out
+
+        return self._issue("all_to_all_single", move, async_op)
+
+    @overload
+    def scatter(
+        self, tensors: Optional[Sequence[torch.Tensor]], src: int = 0, *, async_op: Literal[False] = False
+    ) -> torch.Tensor: ...
+
+    @overload
+    def scatter(
+        self, tensors: Optional[Sequence[torch.Tensor]], src: int = 0, *, async_op: Literal[True]
+    ) -> Work[torch.Tensor]: ...
+
+    def scatter(
+        self, tensors: Optional[Sequence[torch.Tensor]], src: int = 0, *, async_op: bool = False
+    ) -> Union[torch.Tensor, Work[torch.Tensor]]:
         """Send ``tensors[r]`` from ``src`` to rank r.
 
         Args:
             tensors: On ``src``, one tensor per rank (dim 0 may differ);
                 ignored elsewhere (pass None).
             src: The sending rank.
+            async_op: See :meth:`broadcast`.
 
         Returns:
             This rank's piece, on :attr:`device` (on ``src``: on the
@@ -827,31 +1075,51 @@ class Group(abc.ABC):
             sizes = [rows_of(tuple(t.shape)) for t in tensors]
             return Call("scatter", tensors[0].dtype, shape, root=src, splits_a=sizes)
 
-        _, rows = self._handshake(prepare, required=True)
+        _, rows = self._handshake(prepare, required=True, async_op=async_op)
         assert rows is not None
         dtype = rows.dtype(src)
         assert dtype is not None
-        ndim, trailing = rows.ndim(src), rows.trailing(src)
-        my_rows = rows.splits_a(src)[self.rank]
-        per_row = dtype.itemsize * prod(trailing)
-        out_shape = (my_rows, *trailing) if ndim > 0 else ()
-        if self.rank == src:
-            assert tensors is not None
-            flat = [_wire.to_bytes(t, self._wire_device(t)) for t in tensors]
-            inp: Optional[torch.Tensor] = torch.cat(flat)
-            device = tensors[src].device
-            piece = buffers.empty_like(flat[0], (my_rows * per_row,))
-        else:
-            inp, device = None, self._device
-            piece = buffers.empty((my_rows * per_row,), torch.uint8, self._device)
-        counts = [n * per_row for n in rows.splits_a(src)]
-        self._scatter(piece, inp, counts, src)
-        return _wire.from_bytes(piece, dtype, out_shape).to(device)
+        ndim, trailing, splits = rows.ndim(src), rows.trailing(src), rows.splits_a(src)
 
-    def gather(self, tensor: torch.Tensor, dst: int = 0) -> Optional[list[torch.Tensor]]:
+        def move() -> torch.Tensor:
+            my_rows = splits[self.rank]
+            per_row = dtype.itemsize * prod(trailing)
+            out_shape = (my_rows, *trailing) if ndim > 0 else ()
+            if self.rank == src:
+                assert tensors is not None
+                flat = [_wire.to_bytes(t, self._wire_device(t)) for t in tensors]
+                inp: Optional[torch.Tensor] = torch.cat(flat)
+                device = tensors[src].device
+                piece = buffers.empty_like(flat[0], (my_rows * per_row,))
+            else:
+                inp, device = None, self._device
+                piece = buffers.empty((my_rows * per_row,), torch.uint8, self._device)
+            self._scatter(piece, inp, [n * per_row for n in splits], src)
+            return _wire.from_bytes(piece, dtype, out_shape).to(device)
+
+        return self._issue("scatter", move, async_op)
+
+    @overload
+    def gather(
+        self, tensor: torch.Tensor, dst: int = 0, *, async_op: Literal[False] = False
+    ) -> Optional[list[torch.Tensor]]: ...
+
+    @overload
+    def gather(
+        self, tensor: torch.Tensor, dst: int = 0, *, async_op: Literal[True]
+    ) -> Work[Optional[list[torch.Tensor]]]: ...
+
+    def gather(
+        self, tensor: torch.Tensor, dst: int = 0, *, async_op: bool = False
+    ) -> Union[Optional[list[torch.Tensor]], Work[Optional[list[torch.Tensor]]]]:
         """Collect every rank's ``tensor`` on ``dst``.
 
         Sizes along dim 0 may differ; dtype and other dims must agree.
+
+        Args:
+            tensor: This rank's contribution.
+            dst: The receiving rank.
+            async_op: See :meth:`broadcast`.
 
         Returns:
             On ``dst``, one tensor per rank (views into one buffer); None elsewhere.
@@ -862,19 +1130,23 @@ class Group(abc.ABC):
             check_tensor(tensor, "tensor")
             return Call("gather", tensor.dtype, tuple(tensor.shape), root=dst, count=rows_of(tuple(tensor.shape)))
 
-        _, rows = self._handshake(prepare, required=True)
+        _, rows = self._handshake(prepare, required=True, async_op=async_op)
         assert rows is not None
         check_tensor_rows(rows)
-        shape = tuple(tensor.shape)
-        per_row = tensor.dtype.itemsize * prod(shape[1:])
         dims = [rows.count(r) for r in range(self.size)]
-        counts = [d * per_row for d in dims]
-        wire = _wire.to_bytes(tensor, self._wire_device(tensor))
-        gathered = buffers.empty_like(wire, (sum(counts),)) if self.rank == dst else None
-        self._gather(gathered, counts, wire, dst)
-        if gathered is None:
-            return None
-        return split_out(gathered, counts, dims, shape, tensor.dtype, tensor.device)
+
+        def move() -> Optional[list[torch.Tensor]]:
+            shape = tuple(tensor.shape)
+            per_row = tensor.dtype.itemsize * prod(shape[1:])
+            counts = [d * per_row for d in dims]
+            wire = _wire.to_bytes(tensor, self._wire_device(tensor))
+            gathered = buffers.empty_like(wire, (sum(counts),)) if self.rank == dst else None
+            self._gather(gathered, counts, wire, dst)
+            if gathered is None:
+                return None
+            return split_out(gathered, counts, dims, shape, tensor.dtype, tensor.device)
+
+        return self._issue("gather", move, async_op)
 
     def new_group(self, ranks: Sequence[int]) -> Optional[Group]:
         """A sub-group of ``ranks`` (ranks of this group), made collectively.

@@ -37,12 +37,14 @@ reshard stays within twice the local shard.
 
 from __future__ import annotations
 
+import bisect
 import math
 import operator
 from dataclasses import dataclass, replace
-from typing import Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
-from shardwise._vocab.metadata import ShardMetadata, ShardedTensorMetadata, intersect
+from shardwise._vocab.box_index import BoxIndex
+from shardwise._vocab.metadata import ShardMetadata, ShardedTensorMetadata
 
 __all__ = [
     "MAX_ROUNDS", "Piece", "Run", "TransferPlan", "owners", "plan", "restrict", "row_major_start",
@@ -181,12 +183,8 @@ class TransferPlan:
         return self.packed_numel + self.unpacked_numel
 
 
-def _piece(a: ShardMetadata, i: int, b: ShardMetadata, j: int) -> Optional[Piece]:
-    """The box shared by source shard ``a`` (index i) and target shard ``b`` (index j)."""
-    box = intersect(a.shard_offsets, a.shard_sizes, b.shard_offsets, b.shard_sizes)
-    if box is None:
-        return None
-    offsets, sizes = box
+def _piece(a: ShardMetadata, i: int, b: ShardMetadata, j: int, offsets: list[int], sizes: list[int]) -> Piece:
+    """The piece where source shard ``a`` (index i) meets target shard ``b`` (index j): ``offsets``/``sizes``."""
     return Piece(
         i, j, tuple(offsets), tuple(sizes),
         tuple(map(operator.sub, offsets, a.shard_offsets)), tuple(map(operator.sub, offsets, b.shard_offsets)),
@@ -274,30 +272,38 @@ def plan(
     src_rank, dst_rank = owners(src, ndim, "source", to_group, limit), owners(dst, ndim, "target", to_group, limit)
     highest = max(src_rank + dst_rank, default=0)
     world = highest + 1 if world_size is None else world_size
-    src_live = [i for i, s in enumerate(src) if s.numel() > 0]
-    src_mine = [i for i in src_live if src_rank[i] == rank]
+    # Only intersections with this rank at one end concern it: its targets against an index of the sources,
+    # its sources against an index of the targets, so a plan costs what this rank's pieces cost.
+    met: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
+    src_index = BoxIndex([s.shard_offsets for s in src], [s.shard_sizes for s in src])
+    for j, to in enumerate(dst_rank):
+        if to == rank:
+            target = dst[j]
+            for i, offsets, sizes in src_index.query(target.shard_offsets, target.shard_sizes):
+                met[j, i] = offsets, sizes
+    if rank in src_rank:
+        dst_index = BoxIndex([s.shard_offsets for s in dst], [s.shard_sizes for s in dst])
+        for i, frm in enumerate(src_rank):
+            if frm == rank:
+                source = src[i]
+                for j, offsets, sizes in dst_index.query(source.shard_offsets, source.shard_sizes):
+                    met[j, i] = offsets, sizes
     local: list[Piece] = []
     send: list[list[Piece]] = [[] for _ in range(world)]
     recv: list[list[Piece]] = [[] for _ in range(world)]
-    for j, target in enumerate(dst):
-        if target.numel() == 0:
-            continue
-        to = dst_rank[j]
-        # Only intersections with this rank at one end concern it.
-        for i in src_live if to == rank else src_mine:
-            piece = _piece(src[i], i, target, j)
-            if piece is None:
-                continue
-            frm = src_rank[i]
-            if frm == to:
-                local.append(piece)
-            elif to == rank:
-                recv[frm].append(piece)
-            else:
-                send[to].append(piece)
+    # In (target index, source index) order: the order sender and receiver agree on.
+    for j, i in sorted(met):
+        piece = _piece(src[i], i, dst[j], j, *met[j, i])
+        frm, to = src_rank[i], dst_rank[j]
+        if frm == to:
+            local.append(piece)
+        elif to == rank:
+            recv[frm].append(piece)
+        else:
+            send[to].append(piece)
     needs_wire = any(send) or any(recv)
     if not needs_wire:
-        needs_wire = _any_remote(src, src_rank, src_live, dst, dst_rank)
+        needs_wire = _any_remote(src_index, src_rank, dst, dst_rank)
     # A pinned target must be allocated pinned, so the receive buffer cannot become it.
     pl = _decided(
         rank, world, tuple(local), tuple(map(tuple, send)), tuple(map(tuple, recv)), needs_wire,
@@ -309,19 +315,12 @@ def plan(
     return pl if rounds == 1 else replace(pl, rounds=rounds)
 
 
-def _any_remote(
-    src: Sequence[ShardMetadata],
-    src_rank: list[int],
-    src_live: list[int],
-    dst: Sequence[ShardMetadata],
-    dst_rank: list[int],
-) -> bool:
-    """Whether any pair of ranks exchanges data (this rank's own pairs have none)."""
+def _any_remote(src_index: BoxIndex, src_rank: list[int], dst: Sequence[ShardMetadata], dst_rank: list[int]) -> bool:
+    """Whether any pair of ranks exchanges data (this rank's own pairs have none); stops at the first."""
     for j, target in enumerate(dst):
-        if target.numel() == 0:
-            continue
-        for i in src_live:
-            if src_rank[i] != dst_rank[j] and _piece(src[i], i, target, j) is not None:
+        to = dst_rank[j]
+        for i, _, _ in src_index.query(target.shard_offsets, target.shard_sizes):
+            if src_rank[i] != to:
                 return True
     return False
 
@@ -454,7 +453,9 @@ def restrict(pl: TransferPlan, lo: int, hi: int) -> TransferPlan:
     """
 
     def clipped(pieces: Sequence[Piece]) -> tuple[Piece, ...]:
-        return tuple(c for c in (_clip(p, lo, hi) for p in pieces) if c is not None)
+        if not pieces:
+            return ()
+        return tuple(c for p in pieces if (c := _clip(p, lo, hi)) is not None)
 
     return _decided(
         pl.rank, pl.world_size, clipped(pl.local), tuple(map(clipped, pl.send)), tuple(map(clipped, pl.recv)),
@@ -492,10 +493,40 @@ def _rounds_within_shard(pl: TransferPlan) -> int:
     if need <= budget:
         return 1
     rows = pl.size[0] if pl.size else 0
+    # A slab's buffers hold at most its pieces sent and received (less where a view replaces one), counted
+    # from row prefix sums; only a slab past the budget by that count is built to see its views.
+    moved = _row_prefix([p for per in pl.send for p in per] + [p for per in pl.recv for p in per])
     for k in range(1, MAX_ROUNDS.bit_length()):
         count = 1 << k
         if count > rows:
             break
-        if all(part.buffer_numel <= budget for part in slab_plans(pl, count)):
+        if all(
+            moved(hi) - moved(lo) <= budget or restrict(pl, lo, hi).buffer_numel <= budget
+            for lo, hi in slabs(rows, min(count, rows))
+        ):
             return count
     return max(1, min(MAX_ROUNDS, rows))
+
+
+def _row_prefix(pieces: Sequence[Piece]) -> Callable[[int], int]:
+    """``f(x)``: elements of ``pieces`` in dim-0 rows below ``x``, in O(log n) a call after an O(n log n) sort."""
+    slope_at: dict[int, int] = {}
+    for p in pieces:
+        per_row = p.numel // p.sizes[0]
+        slope_at[p.offsets[0]] = slope_at.get(p.offsets[0], 0) + per_row
+        end = p.offsets[0] + p.sizes[0]
+        slope_at[end] = slope_at.get(end, 0) - per_row
+    points = sorted(slope_at)
+    values, slopes, value, slope, last = [], [], 0, 0, 0
+    for x in points:
+        value += slope * (x - last)
+        slope += slope_at[x]
+        values.append(value)
+        slopes.append(slope)
+        last = x
+
+    def below(x: int) -> int:
+        k = bisect.bisect_right(points, x) - 1
+        return 0 if k < 0 else values[k] + slopes[k] * (x - points[k])
+
+    return below

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Collection, Mapping, NoReturn, Optional, Seque
 
 import torch
 
-from shardwise._comm import buffers
+from shardwise._comm import buffers, local_copy
 from shardwise._layout.plan import Piece, Run, TransferPlan, plan, row_major_start, slab_plans
 from shardwise._vocab.metadata import ShardedTensorMetadata
 from shardwise._vocab.shard import Shard
@@ -53,8 +53,8 @@ if TYPE_CHECKING:
 
 # Piece, TransferPlan, plan and row_major_start live in shardwise._layout.plan; re-exported for the callers here.
 __all__ = [
-    "Piece", "TransferPlan", "box", "describe", "execute", "match_sources", "plan", "receive_view", "redistribute",
-    "row_major_start", "send_view",
+    "Piece", "TransferPlan", "box", "describe", "execute", "match_sources", "plan", "read_direct", "receive_view",
+    "redistribute", "row_major_start", "send_view",
 ]
 
 _log = logging.getLogger("shardwise.plan")
@@ -269,6 +269,9 @@ def _execute(
         copy_local(pl, sources, targets, wire_dtype)
         if not pl.needs_wire:
             return None
+        direct = read_direct(pl, sources, targets, group, wire_dtype) if trusted else None
+        if direct is not None:
+            return direct
         send = pack(pl, sources, wire_dtype, group.device)
         into = receive_view(pl, targets, wire_dtype)
         size = wire_dtype.itemsize
@@ -284,6 +287,68 @@ def _execute(
         if into is None:
             unpack(pl, flat, targets)
         return flat
+
+
+def _fits_direct(t: Optional[torch.Tensor], dtype: torch.dtype) -> bool:
+    """Whether a peer may read (or write) ``t``'s memory as the plan's row-major boxes of ``dtype``."""
+    return t is not None and t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous() and t.dim() > 0
+
+
+def read_direct(
+    pl: TransferPlan,
+    sources: Mapping[int, torch.Tensor],
+    targets: Mapping[int, torch.Tensor],
+    group: Group,
+    wire_dtype: torch.dtype,
+) -> Optional[torch.Tensor]:
+    """Move ``pl``'s remote pieces by one copy each, from the peers' source shards into this rank's targets.
+
+    When every rank of ``group`` is on this host and the backend offers it
+    (:mod:`shardwise._comm.local_copy`), each rank reads the boxes it
+    receives straight from the senders' source shards into its target
+    shards: no packing, no send or receive buffer, no unpacking, whatever
+    the plan's views say. Collective; every rank takes this path or none.
+    The caller guarantees that the ranks' plans fit together (``trusted``).
+
+    Returns:
+        The adopted target's flat memory when ``pl.recv_whole`` is not in
+        ``targets`` (allocated here), else an empty tensor; None when the
+        ranks declined (nothing moved: take the all-to-all).
+    """
+    item = wire_dtype.itemsize
+    sending = {p.src for per in pl.send for p in per}
+    ok = all(_fits_direct(sources.get(j), wire_dtype) for j in sending)
+    nbytes = runs = 0
+    for per in pl.recv:
+        for p in per:
+            ok = ok and (p.dst in targets or p.dst == pl.recv_whole) and len(p.sizes) > 0
+            run = local_copy.run_bytes(pl.src_shapes[p.src], pl.dst_shapes[p.dst], p.sizes, item)
+            nbytes, runs = nbytes + p.numel * item, runs + (p.numel * item // run if run else 0)
+    ok = ok and all(_fits_direct(targets[p.dst], wire_dtype) for per in pl.recv for p in per if p.dst in targets)
+    # Many tiny runs (a narrow column box) cost a syscall entry each: the all-to-all packs them faster.
+    ok = ok and (runs == 0 or nbytes // runs >= local_copy.MIN_RUN_BYTES)
+    adopted: dict[int, torch.Tensor] = {}
+
+    def reads() -> list[local_copy.BoxRead]:
+        out = []
+        for s, per in enumerate(pl.recv):
+            for p in per:
+                target = targets.get(p.dst)
+                if target is None:
+                    if p.dst not in adopted:
+                        adopted[p.dst] = buffers.empty(pl.dst_shapes[p.dst], wire_dtype, torch.device("cpu"))
+                    target = adopted[p.dst]
+                out.append(
+                    local_copy.BoxRead(s, p.src, pl.src_shapes[p.src], p.src_start, p.sizes, target, p.dst_start)
+                )
+        return out
+
+    published = {j: sources[j] for j in sending}
+    if not local_copy.read_boxes(group, ok, published, len(pl.src_owner), reads):
+        return None
+    if pl.recv_whole is not None and pl.recv_whole in adopted:
+        return adopted[pl.recv_whole].view(-1)
+    return torch.empty(0, dtype=wire_dtype)
 
 
 def match_sources(shards: Sequence[Shard], md: ShardedTensorMetadata, rank: int) -> dict[int, torch.Tensor]:
@@ -389,6 +454,12 @@ def redistribute(
     # The plan says which target a receive buffer becomes (slabs never do: their targets exist up front).
     adopted = {part.recv_whole for part in parts if part.recv_whole is not None}
     targets = _allocate(dst_md, pl.dst_owner, group.rank, wire_dtype, skip=adopted)
+    if trusted and len(parts) > 1 and pl.needs_wire:
+        # Slabs only bound the buffers; the one-copy path has none, so it moves the whole plan at once.
+        with torch.no_grad():
+            if read_direct(pl, sources, targets, group, wire_dtype) is not None:
+                copy_local(pl, sources, targets, wire_dtype)
+                return _leaves(targets, dst_md)
     for part in parts:
         flat = _execute(part, sources, targets, group, wire_dtype, trusted=trusted)
         if part.recv_whole is not None:

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from shardwise._modules.load_plan import local_load_plan
 from shardwise.errors import UnsafeCheckpointError
 
 __all__ = ["UnsafeCheckpointError", "load_metadata", "safe_planner", "safe_reader"]
@@ -101,10 +102,26 @@ def safe_planner() -> Any:
     (an arbitrary object saved by pickle) says which one and why.
     """
     # torch.distributed.checkpoint is heavy to import; only a checkpoint load needs it.
-    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint import DefaultLoadPlanner, _version
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
     from torch.distributed.checkpoint._traverse import set_element
 
     class _SafePlanner(DefaultLoadPlanner):
+        def create_local_plan(self) -> Any:
+            """As ``DefaultLoadPlanner``'s, its reads found by :func:`~shardwise._modules.load_plan.local_load_plan`."""
+            if self.metadata is None:
+                raise AssertionError("the planner was not set up with the checkpoint's metadata")
+            if self.flatten_state_dict:
+                # As torch 2.13: keys missing under the current flattening may be a checkpoint saved before 2.4.
+                missing = set(self.metadata.state_dict_metadata) - set(self.state_dict)
+                if missing:
+                    _version._derived_version = "2_3"
+                    old_state_dict, old_mappings = flatten_state_dict(self.original_state_dict)
+                    if set(old_state_dict) & missing:
+                        self.state_dict, self.mappings = old_state_dict, old_mappings
+                    _version._derived_version = None
+            return local_load_plan(self.state_dict, self.metadata, not self.allow_partial_load)
+
         def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
             fqn = read_item.dest_index.fqn
             try:

@@ -51,6 +51,7 @@ LEVELS: Mapping[str, int] = {
 #: every ``getLogger`` call in step with this table).
 COMPONENTS: Mapping[str, str] = {
     "agreement": "handshake disagreements: which rank rejected which call, and why (DEBUG)",
+    "comm": "how collectives move data: same-host one-copy reads, the asynchronous collectives' worker (DEBUG)",
     "plan": "each redistribution plan (reshard, shard_tensor, gather): pieces, bytes per peer, rounds, buffers (DEBUG)",
     "plugins": "the plugin manager: which plugins it loaded (DEBUG)",
     "session": "init and destroy: the launcher and the backend chosen",

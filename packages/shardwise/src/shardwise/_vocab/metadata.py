@@ -13,6 +13,7 @@ from typing import Any, Iterable, Optional, Sequence, Union
 
 import torch
 
+from shardwise._vocab.box_index import intersect
 from shardwise._vocab.placement import Placement, PlacementError, PlacementTypeError
 from shardwise._vocab.validation import check_covering, validate_non_overlapping
 
@@ -322,38 +323,3 @@ class ShardedTensorMetadata:
     def __setstate__(self, state: dict[str, Any]) -> None:
         other = ShardedTensorMetadata.from_dict(state)
         self.__dict__.update(other.__dict__)
-
-
-# -- box arithmetic ---------------------------------------------------------
-
-
-def intersect(
-    a_offsets: Sequence[int], a_sizes: Sequence[int], b_offsets: Sequence[int], b_sizes: Sequence[int]
-) -> Optional[tuple[list[int], list[int]]]:
-    """The intersection of two boxes as ``(offsets, sizes)``, or None if empty.
-
-    Boxes with a zero-size dimension never intersect anything. This is
-    the one definition of box intersection; the transfer planner
-    (:mod:`shardwise._layout.plan`) calls it for every pair of source and
-    target shard.
-
-    Raises:
-        ValueError: the offsets and sizes do not all have the same length.
-    """
-    if not len(a_offsets) == len(a_sizes) == len(b_offsets) == len(b_sizes):
-        raise ValueError(
-            f"cannot intersect boxes of different dimensions: offsets {list(a_offsets)} sizes {list(a_sizes)} "
-            f"and offsets {list(b_offsets)} sizes {list(b_sizes)}"
-        )
-    offsets, sizes = [], []
-    for ao, asz, bo, bsz in zip(a_offsets, a_sizes, b_offsets, b_sizes, strict=True):
-        # Conditional expressions, not max/min: the planner calls this for every pair of shards.
-        lo = ao if ao > bo else bo
-        a_end, b_end = ao + asz, bo + bsz
-        hi = a_end if a_end < b_end else b_end
-        if hi <= lo:
-            return None
-        offsets.append(lo)
-        sizes.append(hi - lo)
-    return offsets, sizes
-

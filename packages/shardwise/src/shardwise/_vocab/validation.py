@@ -30,7 +30,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
-from itertools import chain
+from itertools import chain, repeat
 from operator import add, gt, itemgetter, le, mul, sub
 from typing import Any, Optional, Protocol, Sequence
 
@@ -59,6 +59,9 @@ _LISTED = 8
 
 #: Up to this many shards, a layout cut along several dims is checked by the plain sweep.
 _FEW = 16
+
+#: Most dims along which shards differ for which the corner check (2^k corners a shard) runs first.
+_CORNER_DIMS = 6
 
 #: The cell check runs while the cells claimed stay within this many per shard (plus a constant).
 _CELLS_PER_SHARD = 8
@@ -128,6 +131,40 @@ def _two_dims(shards: Sequence[Box], idx: Sequence[int], a: int, b: int) -> Opti
         active.insert(pos, item)
         heapq.heappush(expiry, (start + shard.shard_sizes[a], i))
     return None
+
+
+def _tiles(starts_by_dim: Sequence[Sequence[int]], sizes_by_dim: Sequence[Sequence[int]], dims: Sequence[int]) -> bool:
+    """Whether the non-empty boxes, seen along ``dims`` only, tile their bounding box exactly; O(n 2^k log n).
+
+    A box's indicator is the signed sum of the orthants at its 2^k corners
+    (sign -1 per coordinate taken at the box's end); orthants at distinct
+    points are linearly independent, so the boxes' indicators add up to the
+    bounding box's exactly when their signed corners, summed per point,
+    equal the bounding box's. Adding up to the bounding box's indicator
+    means no point is held twice: no overlap (and no gap), whatever the
+    layout. False says only that the boxes do not tile it.
+    """
+    starts = [starts_by_dim[d] for d in dims]
+    ends = [list(map(add, starts_by_dim[d], sizes_by_dim[d])) for d in dims]
+    lower = [min(column) for column in starts]
+    upper = [max(column) for column in ends]
+    plus: list[int] = []
+    minus: list[int] = []
+    for mask in range(1 << len(dims)):
+        # A corner as one int, its coordinates' mixed-radix digits (maps in C: no tuple per corner).
+        key: list[int] = [0] * len(starts[0])
+        corner = 0
+        for k in range(len(dims)):
+            span, column = upper[k] - lower[k] + 1, ends[k] if mask >> k & 1 else starts[k]
+            key = list(map(add, map(mul, key, repeat(span)), map(sub, column, repeat(lower[k]))))
+            corner = corner * span + (upper[k] - lower[k] if mask >> k & 1 else 0)
+        # Corners with an odd number of end coordinates count -1: they go with the bounding box's +1 corners.
+        odd = bin(mask).count("1") % 2
+        (minus if odd else plus).extend(key)
+        (plus if odd else minus).append(corner)
+    plus.sort()
+    minus.sort()
+    return plus == minus
 
 
 def _cells(shards: Sequence[Box], idx: Sequence[int], dims: Sequence[int]) -> Optional[tuple[int, int]]:
@@ -245,6 +282,8 @@ def find_overlap(shards: Sequence[Box], columns: Optional[_Columns] = None) -> O
         # Sweep along the dim with the most distinct starts: fewest shards cross the sweep line.
         a = max(sharded, key=lambda d: len(set(starts_by_dim[d])))
         local = range(len(sub))
+        if len(sub) > _FEW and len(sharded) <= _CORNER_DIMS and _tiles(starts_by_dim, sizes_by_dim, sharded):
+            return None
         if len(sub) <= _FEW:
             # So few that the plain sweep's lower overhead wins.
             pair = _sweep(sub, local, sharded, a)
@@ -311,6 +350,9 @@ def _find_overlap_exact(
         return 0, 1
     if len(sharded) > 1:
         # As find_overlap; a dim where starts agree cannot separate non-empty shards, so it is left out.
+        sizes_by_dim = list(zip(*lengths, strict=True))
+        if n > _FEW and len(sharded) <= _CORNER_DIMS and _tiles(starts_by_dim, sizes_by_dim, sharded):
+            return None  # every valid layout of a whole tensor takes this path
         a = max(sharded, key=lambda d: len(set(starts_by_dim[d])))
         if n <= _FEW:
             return _ordered(_sweep(shards, range(n), sharded, a))

@@ -1,0 +1,240 @@
+"""One copy between ranks on one host: cross-memory attach (``shardwise._comm.local_copy``).
+
+Every collective and layout change gives the same result with the one-copy
+path as with the backend's own (a group made with ``SHARDWISE_LOCAL_COPY=0``),
+the path is taken only by groups whose ranks share a host (hosts faked per
+rank), and a kernel that refuses the reads, or a read that fails, sends every
+rank the same way.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+from typing import Any, Callable
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import shardwise
+from shardwise._comm import local_copy
+from shardwise._comm.group import Group
+
+from rank_helpers import run
+
+ROW = 1024  # float32 elements per row: 4 KiB, so a few rows pass local_copy.MIN_BYTES
+
+
+def _moved() -> int:
+    return sum(local_copy.stats.values())
+
+
+def _off_group(g: Group) -> Group:
+    """A group of every rank whose ranks decided, with the switch off, to keep the backend's path."""
+    os.environ[local_copy.LOCAL_COPY_ENV] = "0"
+    try:
+        sub = g.new_group(list(range(g.size)))
+        assert sub is not None
+        sub.barrier()
+        sub.all_gather(torch.zeros(local_copy.MIN_BYTES))  # big enough to settle the verdict
+    finally:
+        del os.environ[local_copy.LOCAL_COPY_ENV]
+    return sub
+
+
+def _collectives(g: Group, seed: int) -> list[torch.Tensor]:
+    """Uneven collectives (sizes drawn alike on every rank, zero-size pieces included), every result flattened."""
+    gen = torch.Generator().manual_seed(seed)
+    r, w = g.rank, g.size
+    rows = torch.randint(0, 24, (w, w), generator=gen)
+    rows[torch.rand(w, w, generator=gen) < 0.3] = 0
+    out: list[torch.Tensor] = []
+
+    def data(n: int, tag: int) -> torch.Tensor:
+        return torch.arange(n * ROW, dtype=torch.float32).reshape(n, ROW) + 1000 * tag
+
+    out += g.all_to_all([data(int(rows[r, s]), 10 * r + s) for s in range(w)])
+    ins = [int(n) for n in rows[r]]
+    out.append(g.all_to_all_single(torch.cat([data(n, r) for n in ins]), input_split_sizes=ins))
+    out += g.all_gather(data(int(rows[0, r]), r))
+    whole = torch.empty(w * 8, ROW)
+    out += g.all_gather(data(8, r), out=whole)
+    src = seed % w
+    pieces = [data(int(rows[1 % w, s]), s) for s in range(w)] if r == src else None
+    out.append(g.scatter(pieces, src=src))
+    got = g.gather(data(int(rows[r, 0]), r).to(torch.float64), dst=(seed + 1) % w)
+    out += got or []
+    return [t.reshape(-1) for t in out]
+
+
+def _layouts(g: Group, seed: int) -> list[torch.Tensor]:
+    """Scatter, reshard (dim 0 to 1 and back), gather and full_tensor of one tensor."""
+    w = g.size
+    dense = torch.randn(96 + seed, 192, generator=torch.Generator().manual_seed(seed))
+    places = [f"rank:{i}/cpu" for i in range(w)]
+    specs = [shardwise.ChunkShardingSpec(dim=d, placements=places) for d in (0, 1)]
+    st0 = shardwise.shard_tensor(dense, specs[0], src_rank=seed % w, process_group=g)
+    st1 = st0.reshard(specs[1])
+    back = st1.reshard(specs[0])
+    out = torch.empty_like(dense) if g.rank == 0 else None
+    st1.gather(dst=0, out=out)
+    shards = [s.tensor.reshape(-1) for t in (st0, st1, back) for s in t.local_shards()]
+    assert out is None or torch.equal(out, dense)
+    return [*shards, st1.full_tensor().reshape(-1)]
+
+
+def _same_with_and_without(seeds: int) -> dict[str, Any]:
+    g = shardwise.get_default_group()
+    off = _off_group(g)
+    used: dict[str, int] = {}
+    for seed in range(seeds):
+        for name, fn in (("collectives", _collectives), ("layouts", _layouts)):
+            before = _moved()
+            on = fn(g, seed)
+            used[name] = used.get(name, 0) + _moved() - before
+            before = _moved()
+            plain = fn(off, seed)
+            assert _moved() == before, "the group made with SHARDWISE_LOCAL_COPY=0 used cross-memory attach"
+            assert len(on) == len(plain)
+            for a, b in zip(on, plain, strict=True):
+                assert a.dtype == b.dtype and torch.equal(a, b)
+    return {"used": used, "boxes": local_copy.stats.get("boxes", 0)}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_every_collective_and_layout_change_equals_the_backends_own_path(world_size: int) -> None:
+    for res in run(_same_with_and_without, world_size, 2):
+        assert res["used"]["collectives"] > 0 and res["used"]["layouts"] > 0 and res["boxes"] > 0
+
+
+def _only_on_one_host() -> dict[str, bool]:
+    g = shardwise.get_default_group()
+    # Ranks 0 and 1 on one host, 2 and 3 on another.
+    real = local_copy.this_host
+    local_copy.this_host = lambda: [f"host{g.rank // 2}", "boot"]  # type: ignore[assignment]
+    try:
+        return _groups_of(g)
+    finally:
+        local_copy.this_host = real  # type: ignore[assignment]
+
+
+def _groups_of(g: Group) -> dict[str, bool]:
+    used = {}
+    # Every rank makes one group of each partition (as torch's new_group wants on the gloo backend).
+    for name, partition in (("all", [[0, 1, 2, 3]]), ("same host", [[0, 1], [2, 3]]), ("across", [[0, 2], [1, 3]])):
+        made = [g.new_group(members) for members in partition]
+        sub = next(s for s in made if s is not None)
+        before = _moved()
+        for seed in range(2):
+            gathered = sub.all_gather(torch.full((local_copy.MIN_BYTES,), float(sub.rank)))
+            assert [int(t[0]) for t in gathered] == list(range(sub.size))
+            assert len(_collectives(sub, seed)) > 0
+        used[name] = _moved() > before
+    return used
+
+
+def test_only_ranks_on_one_host_copy_from_each_others_memory() -> None:
+    for res in run(_only_on_one_host, 4):
+        assert res == {"all": False, "same host": True, "across": False}
+
+
+def _refused_on_rank_1() -> dict[str, Any]:
+    g = shardwise.get_default_group()
+    saved = local_copy._probed
+    if g.rank == 1:
+        local_copy._probed = "process_vm_readv failed: EPERM (refused by the test)"
+    try:
+        sub = g.new_group(list(range(g.size)))
+        assert sub is not None
+        before = _moved()
+        gathered = sub.all_gather(torch.full((local_copy.MIN_BYTES,), float(g.rank)))
+        return {"used": _moved() > before, "values": [int(t[0]) for t in gathered]}
+    finally:
+        local_copy._probed = saved
+
+
+def test_a_rank_whose_kernel_refuses_sends_every_rank_down_the_backends_path() -> None:
+    for res in run(_refused_on_rank_1, 2):
+        assert res == {"used": False, "values": [0, 1]}
+
+
+def _read_fails_on_rank_0() -> tuple[str, str]:
+    g = shardwise.get_default_group()
+    g.all_gather(torch.zeros(local_copy.MIN_BYTES))  # settle the verdict: cross-memory attach in use
+    real = local_copy._read_runs
+    if g.rank == 0:
+        local_copy._read_runs = lambda pid, runs: errno.ESRCH  # type: ignore[assignment]
+    try:
+        g.all_gather(torch.zeros(local_copy.MIN_BYTES))
+    except Exception as exc:  # noqa: BLE001 - every rank reports its error
+        return type(exc).__name__, str(exc)
+    finally:
+        local_copy._read_runs = real
+    return "ok", ""
+
+
+def test_a_failed_read_raises_on_every_rank() -> None:
+    for kind, message in run(_read_fails_on_rank_0, 2):
+        assert kind == "PeerLostError"
+        assert "rank 0: ESRCH" in message and local_copy.LOCAL_COPY_ENV in message
+
+
+# -- in one process ---------------------------------------------------------------------------------------
+
+
+def test_the_probe_reports_a_refused_syscall(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refused(*args: Any) -> int:
+        ctypes.set_errno(errno.EPERM)
+        return -1
+
+    monkeypatch.setattr(local_copy, "_load", lambda: refused)
+    monkeypatch.setattr(local_copy, "_probed", None)
+    reason = local_copy.probe()
+    assert reason is not None and "EPERM" in reason
+    assert local_copy.probe() == reason  # once per process
+
+
+def _partial(limit: int) -> Callable[..., int]:
+    """A ``process_vm_readv`` of this process that copies at most ``limit`` bytes of its first run per call."""
+
+    def read(pid: int, local: int, lcount: int, remote: int, rcount: int, flags: int) -> int:
+        assert pid == os.getpid() and lcount == rcount and flags == 0
+        dst, n = (ctypes.c_int64 * 2).from_address(local)
+        src, _ = (ctypes.c_int64 * 2).from_address(remote)
+        n = min(n, limit)
+        ctypes.memmove(dst, src, n)
+        return n
+
+    return read
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    shape=st.lists(st.integers(1, 6), min_size=1, max_size=3),
+    data=st.data(),
+    partial=st.sampled_from([0, 3, 40]),
+)
+def test_boxes_are_read_run_by_run_into_the_target(shape: list[int], data: Any, partial: int) -> None:
+    start = [data.draw(st.integers(0, n - 1)) for n in shape]
+    sizes = [data.draw(st.integers(0, n - s)) for n, s in zip(shape, start, strict=True)]
+    pad = [data.draw(st.integers(0, 2)) for _ in shape]
+    target_shape = [n + p for n, p in zip(sizes, pad, strict=True)]
+    at = [data.draw(st.integers(0, p)) for p in pad]
+    source = torch.arange(int(torch.tensor(shape).prod()), dtype=torch.int16).reshape(shape)
+    target = torch.full(target_shape, -1, dtype=torch.int16)
+    box = local_copy.BoxRead(0, 0, tuple(shape), tuple(start), tuple(sizes), target, tuple(at))
+    runs = local_copy.box_runs(box, source.data_ptr())
+    saved = local_copy._readv, local_copy._IOV_MAX
+    try:
+        if partial:
+            local_copy._readv, local_copy._IOV_MAX = _partial(partial), 2
+        assert local_copy._read_runs(os.getpid(), runs) == 0
+    finally:
+        local_copy._readv, local_copy._IOV_MAX = saved
+    expected = torch.full(target_shape, -1, dtype=torch.int16)
+    region = tuple(slice(a, a + n) for a, n in zip(at, sizes, strict=True))
+    expected[region] = source[tuple(slice(s, s + n) for s, n in zip(start, sizes, strict=True))]
+    assert torch.equal(target, expected)
