@@ -8,6 +8,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 import shardwise
+from shardwise._comm import local_copy
 from shardwise.errors import PeerError
 from shardwise.sharded_tensor import Shard, ShardMetadata, ShardedTensor, TensorProperties
 from shardwise.sharding_spec import ShardingSpec
@@ -90,3 +91,21 @@ def sharded_from_dense(
         Shard(box(full, m).clone().requires_grad_(requires_grad), m) for m in md.shards_metadata if m.rank == group.rank
     ]
     return ShardedTensor._init_from_local_shards_and_global_metadata(shards, md, process_group=group, sharding_spec=spec)
+
+
+def group_without_local_copy(g: Any) -> Any:
+    """A group of every rank of ``g`` whose ranks decided, with the switch off, to keep the backend's path.
+
+    ``SHARDWISE_LOCAL_COPY`` is read when a group first moves enough bytes
+    to consider same-host one-copy reads; one all-gather of that size
+    settles the new group's verdict while the switch is off.
+    """
+    os.environ[local_copy.LOCAL_COPY_ENV] = "0"
+    try:
+        sub = g.new_group(list(range(g.size)))
+        assert sub is not None
+        sub.barrier()
+        sub.all_gather(torch.zeros(local_copy.MIN_BYTES))
+    finally:
+        del os.environ[local_copy.LOCAL_COPY_ENV]
+    return sub

@@ -23,26 +23,13 @@ import shardwise
 from shardwise._comm import local_copy
 from shardwise._comm.group import Group
 
-from rank_helpers import run
+from rank_helpers import group_without_local_copy, run
 
 ROW = 1024  # float32 elements per row: 4 KiB, so a few rows pass local_copy.MIN_BYTES
 
 
 def _moved() -> int:
     return sum(local_copy.stats.values())
-
-
-def _off_group(g: Group) -> Group:
-    """A group of every rank whose ranks decided, with the switch off, to keep the backend's path."""
-    os.environ[local_copy.LOCAL_COPY_ENV] = "0"
-    try:
-        sub = g.new_group(list(range(g.size)))
-        assert sub is not None
-        sub.barrier()
-        sub.all_gather(torch.zeros(local_copy.MIN_BYTES))  # big enough to settle the verdict
-    finally:
-        del os.environ[local_copy.LOCAL_COPY_ENV]
-    return sub
 
 
 def _collectives(g: Group, seed: int) -> list[torch.Tensor]:
@@ -88,7 +75,7 @@ def _layouts(g: Group, seed: int) -> list[torch.Tensor]:
 
 def _same_with_and_without(seeds: int) -> dict[str, Any]:
     g = shardwise.get_default_group()
-    off = _off_group(g)
+    off = group_without_local_copy(g)
     used: dict[str, int] = {}
     for seed in range(seeds):
         for name, fn in (("collectives", _collectives), ("layouts", _layouts)):

@@ -296,6 +296,7 @@ class MpiProcessGroup(dist.ProcessGroup):
         op, factor = _op(opts)
         if factor is not None:
             inp = _scaled(inp, factor, in_place=False)  # the caller's input stays as it was
+        prefer_huge_pages(output)
         with self._watch("reduce_scatter"):
             self._C.reduce_scatter(self.comm, output, inp, [output.numel()] * self.size(), op)
         return _completed([output])

@@ -24,7 +24,9 @@ arrives whole, in order (``recv_whole``), is the receive buffer itself (no
 allocation, no copy). :func:`redistribute` can also move the data in slabs
 of dim 0, one all-to-all per slab (``rounds``; the plan says how many keep
 the buffers within the shard size), which is what ``reshard`` does on more
-than two ranks when the pieces are scattered.
+than two ranks when the pieces are scattered; the slabs' all-to-alls are
+asynchronous, so packing slab k+1 overlaps the transfer of slab k (twice
+as many slabs, each half the size, keep the same memory bound).
 
 Nothing here checks that ranks agree; the entry points that do
 (``reshard``, ``gather``, ``full_tensor``, ``shard_tensor``) live in
@@ -39,7 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import TYPE_CHECKING, Collection, Mapping, NoReturn, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Collection, Mapping, NoReturn, Optional, Sequence
 
 import torch
 
@@ -425,11 +427,12 @@ def redistribute(
             before it is sent.
         trusted: The ranks have just agreed on both layouts (skip the
             all-to-all's handshake).
-        rounds: Move the data in this many slabs of dim 0, one all-to-all
-            each, so that the send and receive buffers are that much
-            smaller (the same on every rank: the largest
+        rounds: Keep the send and receive buffers that many times smaller
+            than one all-to-all's (the same on every rank: the largest
             :attr:`~shardwise._layout.plan.TransferPlan.rounds` of the
-            ranks' plans).
+            ranks' plans). Above 1 the data moves in twice that many
+            slabs of dim 0, one asynchronous all-to-all each, the next slab
+            packed while the previous one travels.
         planned: This rank's plan from ``src_md`` to ``dst_md`` in
             ``group``, when the caller has already made it (to agree on
             ``rounds``); None: planned here.
@@ -449,6 +452,9 @@ def redistribute(
     except ValueError as exc:
         _fail(group, exc, pl.needs_wire)
     parts = slab_plans(pl, rounds)
+    if len(parts) > 1:
+        # Two slabs are in flight at once (see _execute_overlapped): twice as many, each half the size.
+        parts = slab_plans(pl, 2 * len(parts))
     if _log.isEnabledFor(logging.DEBUG):
         _log.debug("%s", describe(pl, wire_dtype, parts))
     # The plan says which target a receive buffer becomes (slabs never do: their targets exist up front).
@@ -460,6 +466,9 @@ def redistribute(
             if read_direct(pl, sources, targets, group, wire_dtype) is not None:
                 copy_local(pl, sources, targets, wire_dtype)
                 return _leaves(targets, dst_md)
+    if len(parts) > 1:
+        _execute_overlapped(parts, sources, targets, group, wire_dtype, trusted=trusted)
+        return _leaves(targets, dst_md)
     for part in parts:
         flat = _execute(part, sources, targets, group, wire_dtype, trusted=trusted)
         if part.recv_whole is not None:
@@ -467,6 +476,56 @@ def redistribute(
             assert flat is not None and entry.placement is not None
             targets[part.recv_whole] = flat.view(entry.shard_sizes).to(entry.placement.device())
     return _leaves(targets, dst_md)
+
+
+def _execute_overlapped(
+    parts: Sequence[TransferPlan],
+    sources: Mapping[int, torch.Tensor],
+    targets: Mapping[int, torch.Tensor],
+    group: Group,
+    wire_dtype: torch.dtype,
+    *,
+    trusted: bool,
+) -> None:
+    """Run slab plans so that packing slab k+1 overlaps the transfer of slab k.
+
+    Each slab's all-to-all is issued asynchronously (``async_op=True``);
+    while it moves, the next slab is packed, and only then is the previous
+    one waited for and unpacked. Two slabs' buffers are alive at once, so
+    the caller passes twice the rounds that keep one slab's buffers within
+    the shard size: the peak stays where one slab at a time had it.
+    Slabs never receive into a whole target (their targets exist up front).
+    """
+    size = wire_dtype.itemsize
+    inflight: Optional[tuple[TransferPlan, Any, Optional[torch.Tensor]]] = None
+
+    def finish(part: TransferPlan, work: Any, into: Optional[torch.Tensor]) -> None:
+        recv = work.wait()
+        if into is None:
+            unpack(part, recv.view(wire_dtype), targets)
+
+    with torch.no_grad():
+        for part in parts:
+            copy_local(part, sources, targets, wire_dtype)
+            if not part.needs_wire:
+                continue
+            send = pack(part, sources, wire_dtype, group.device)  # overlaps the slab in flight
+            if inflight is not None:
+                finish(*inflight)
+                inflight = None
+            into = receive_view(part, targets, wire_dtype)
+            with group.unverified() if trusted else contextlib.nullcontext():
+                work = group.all_to_all_single(
+                    send.view(torch.uint8),
+                    output_split_sizes=[n * size for n in part.recv_counts],
+                    input_split_sizes=[n * size for n in part.send_counts],
+                    out=None if into is None else into.view(torch.uint8),
+                    async_op=True,
+                )
+            del send  # the collective holds it until done
+            inflight = (part, work, into)
+        if inflight is not None:
+            finish(*inflight)
 
 
 def _leaves(targets: Mapping[int, torch.Tensor], dst_md: ShardedTensorMetadata) -> list[Shard]:
