@@ -26,7 +26,7 @@ from test_exchange_plan import _chunk, _grid, problems
 
 from shardwise._comm import buffers
 from shardwise._layout.plan import MAX_ROUNDS, TransferPlan, plan, slab_plans
-from shardwise._layout.redistribute import box, redistribute
+from shardwise._layout.redistribute import box, executed_slabs, redistribute
 from shardwise._vocab.metadata import ShardedTensorMetadata
 from shardwise._vocab.shard import Shard
 
@@ -83,7 +83,8 @@ class _FakeGroup:
         output_split_sizes: Sequence[int],
         input_split_sizes: Sequence[int],
         out: Optional[torch.Tensor],
-    ) -> torch.Tensor:
+        async_op: bool = False,
+    ) -> Any:
         storages = {t.untyped_storage().data_ptr() for t in self.record.sources if t.numel()}
         from_view = send.numel() > 0 and send.untyped_storage().data_ptr() in storages
         self.wire.posted[self.rank] = (send, list(input_split_sizes))
@@ -100,7 +101,17 @@ class _FakeGroup:
         self.wire.barrier.wait()  # nobody posts the next round before every rank has read this one
         # ``send`` and ``recv`` are bytes (the executor sends the wire dtype's bytes).
         self.record.rounds.append(_Round(0 if from_view else send.numel(), sum(output_split_sizes), out is not None, recv))
-        return recv
+        return _Done(recv) if async_op else recv
+
+
+class _Done:
+    """The handle of an ``async_op=True`` call that has already finished (this wire moves data at once)."""
+
+    def __init__(self, value: torch.Tensor) -> None:
+        self.value = value
+
+    def wait(self) -> torch.Tensor:
+        return self.value
 
 
 def _run_ranks(
@@ -181,7 +192,7 @@ def _agree(
             md = shard.metadata
             assert torch.equal(shard.tensor, box(dense, md.shard_offsets, md.shard_sizes)), (r, md.describe())
         # Every rank runs every round's collective, or (nothing on any wire) none.
-        parts = slab_plans(pl, agreed) if pl.needs_wire else ()
+        parts = executed_slabs(pl, agreed) if pl.needs_wire else ()
         assert len(record.rounds) == len(parts)
         kept = {s.tensor.untyped_storage().data_ptr() for s in shards}
         for part, done in zip(parts, record.rounds, strict=True):

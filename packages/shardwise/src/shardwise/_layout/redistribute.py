@@ -55,8 +55,8 @@ if TYPE_CHECKING:
 
 # Piece, TransferPlan, plan and row_major_start live in shardwise._layout.plan; re-exported for the callers here.
 __all__ = [
-    "Piece", "TransferPlan", "box", "describe", "execute", "match_sources", "plan", "read_direct", "receive_view",
-    "redistribute", "row_major_start", "send_view",
+    "Piece", "TransferPlan", "box", "describe", "execute", "executed_slabs", "match_sources", "plan", "read_direct",
+    "receive_view", "redistribute", "row_major_start", "send_view",
 ]
 
 _log = logging.getLogger("shardwise.plan")
@@ -451,10 +451,7 @@ def redistribute(
         sources = match_sources(src_shards, src_md, group.global_rank)
     except ValueError as exc:
         _fail(group, exc, pl.needs_wire)
-    parts = slab_plans(pl, rounds)
-    if len(parts) > 1:
-        # Two slabs are in flight at once (see _execute_overlapped): twice as many, each half the size.
-        parts = slab_plans(pl, 2 * len(parts))
+    parts = executed_slabs(pl, rounds)
     if _log.isEnabledFor(logging.DEBUG):
         _log.debug("%s", describe(pl, wire_dtype, parts))
     # The plan says which target a receive buffer becomes (slabs never do: their targets exist up front).
@@ -476,6 +473,17 @@ def redistribute(
             assert flat is not None and entry.placement is not None
             targets[part.recv_whole] = flat.view(entry.shard_sizes).to(entry.placement.device())
     return _leaves(targets, dst_md)
+
+
+def executed_slabs(pl: TransferPlan, rounds: int) -> tuple[TransferPlan, ...]:
+    """The slab plans :func:`redistribute` runs for ``pl`` with ``rounds``: ``(pl,)``, or twice ``rounds`` slabs.
+
+    Two slabs are in flight at once (:func:`_execute_overlapped`), so each is
+    half the size that ``rounds`` slabs would be: the buffers alive at once
+    stay what ``rounds`` promises.
+    """
+    parts = slab_plans(pl, rounds)
+    return parts if len(parts) == 1 else slab_plans(pl, 2 * len(parts))
 
 
 def _execute_overlapped(
