@@ -146,7 +146,10 @@ def probe() -> Optional[str]:
             _probed = f"cross-memory attach is Linux only (this is {sys.platform})"
         else:
             try:
-                src, dst = torch.arange(4, dtype=torch.int64), torch.zeros(4, dtype=torch.int64)
+                src, dst = (
+                    torch.arange(4, dtype=torch.int64, device="cpu"),
+                    torch.zeros(4, dtype=torch.int64, device="cpu"),
+                )
                 err = _read_runs(os.getpid(), _runs([dst.data_ptr()], [src.data_ptr()], [32]))
                 ok = err == 0 and torch.equal(src, dst)
                 _probed = "" if ok else f"process_vm_readv failed: {_strerror(err)}"
@@ -164,7 +167,7 @@ def _strerror(err: int) -> str:
 
 def _runs(local: Sequence[int], remote: Sequence[int], nbytes: Sequence[int]) -> torch.Tensor:
     """An ``(n, 3)`` int64 table of (local address, remote address, bytes), dropping empty runs."""
-    table = torch.tensor([list(local), list(remote), list(nbytes)], dtype=torch.int64).t()
+    table = torch.tensor([list(local), list(remote), list(nbytes)], dtype=torch.int64, device="cpu").t()
     return table[table[:, 2] > 0] if table.numel() else table.reshape(0, 3)
 
 
@@ -185,7 +188,7 @@ def _read_runs(pid: int, runs: torch.Tensor) -> int:
                 return errno_module.EFAULT
             # A partial read stops between or inside runs: resume from the first byte not read.
             ends = batch[:, 2].cumsum(0)
-            k = int(torch.searchsorted(ends, torch.tensor(got), right=True))
+            k = int(torch.searchsorted(ends, torch.tensor(got, device="cpu"), right=True))
             done = got - (int(ends[k - 1]) if k else 0)
             rest = runs[pos + k :].clone()
             rest[0, 0] += done
@@ -209,8 +212,8 @@ def _state(group: Group) -> _State:
 
 def _all_gather_ints(group: Group, row: Sequence[int]) -> list[list[int]]:
     """Every rank's ``row`` (all the same length), through the backend's own all-gather."""
-    mine = torch.tensor(list(row), dtype=torch.int64)
-    out = torch.empty(len(row) * group.size, dtype=torch.int64)
+    mine = torch.tensor(list(row), dtype=torch.int64, device="cpu")
+    out = torch.empty(len(row) * group.size, dtype=torch.int64, device="cpu")
     exchange = _state(group).exchange
     if exchange is not None:
         exchange(out, mine)
@@ -258,13 +261,13 @@ def _agree_verdict(group: Group) -> bool:
         _log.debug("%r: ranks on several hosts, keeping the backend's path", group)
         return False
     reason = probe() if enabled() else f"{LOCAL_COPY_ENV}=0"
-    token = torch.tensor([os.getpid(), group.rank, 0x5A5A5A5A], dtype=torch.int64)
+    token = torch.tensor([os.getpid(), group.rank, 0x5A5A5A5A], dtype=torch.int64, device="cpu")
     rows = _all_gather_ints(group, [reason is None, os.getpid(), token.data_ptr()])
     err = 0
     if all(row[0] for row in rows):
         # Read the next rank's token: proves the kernel lets this process read a peer's memory.
         peer = (group.rank + 1) % group.size
-        got = torch.zeros(3, dtype=torch.int64)
+        got = torch.zeros(3, dtype=torch.int64, device="cpu")
         err = _read_runs(rows[peer][1], _runs([got.data_ptr()], [rows[peer][2]], [24]))
         if err == 0 and got.tolist() != [rows[peer][1], peer, 0x5A5A5A5A]:
             err = errno_module.EIO
@@ -504,9 +507,11 @@ def _run_dim(shape: Sequence[int], sizes: Sequence[int]) -> int:
 def _run_starts(shape: Sequence[int], start: Sequence[int], sizes: Sequence[int], k: int) -> torch.Tensor:
     """Element offsets of the box's runs (each spanning dims ``k..``), in row-major order."""
     strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
-    offs = torch.tensor([sum(start[d] * strides[d] for d in range(k, len(shape)))], dtype=torch.int64)
+    offs = torch.tensor([sum(start[d] * strides[d] for d in range(k, len(shape)))], dtype=torch.int64, device="cpu")
     for d in range(k):
-        offs = (offs[:, None] + (start[d] + torch.arange(sizes[d], dtype=torch.int64)) * strides[d]).reshape(-1)
+        offs = (
+            offs[:, None] + (start[d] + torch.arange(sizes[d], dtype=torch.int64, device="cpu")) * strides[d]
+        ).reshape(-1)
     return offs
 
 
@@ -521,7 +526,7 @@ def box_runs(box: BoxRead, base: int) -> torch.Tensor:
     item = box.target.element_size()
     tshape = tuple(box.target.shape)
     if not box.sizes or math.prod(box.sizes) == 0:
-        return torch.zeros(0, 3, dtype=torch.int64)
+        return torch.zeros(0, 3, dtype=torch.int64, device="cpu")
     k = max(_run_dim(box.shape, box.sizes), _run_dim(tshape, box.sizes))
     run = math.prod(box.sizes[k:]) * item
     remote = _run_starts(box.shape, box.start, box.sizes, k) * item + base

@@ -350,7 +350,7 @@ def read_direct(
         return None
     if pl.recv_whole is not None and pl.recv_whole in adopted:
         return adopted[pl.recv_whole].view(-1)
-    return torch.empty(0, dtype=wire_dtype)
+    return torch.empty(0, dtype=wire_dtype, device="cpu")
 
 
 def match_sources(shards: Sequence[Shard], md: ShardedTensorMetadata, rank: int) -> dict[int, torch.Tensor]:
