@@ -5,7 +5,8 @@ In this process (no MPI): :func:`flat_view` over lists of tensors against
 :func:`prefer_huge_pages` leaving values alone. Under ``mpiexec``
 (``programs_c10d/c10d_fast_paths.py``): the backend's list collectives
 (point-to-point ``scatter``/``gather``, unstaged ``all_gather``/``all_to_all``/
-``reduce_scatter``) against ``shardwise_mpi._collectives`` on flat copies.
+``reduce_scatter``) against ``shardwise_mpi._collectives`` on flat copies, and
+the ring all-reduce against MPI's ``Allreduce``.
 """
 
 from __future__ import annotations

@@ -33,8 +33,12 @@ How it plugs into torch 2.13:
   exactly this rank's slot of the output (FSDP2's all-gather) goes as
   ``MPI_IN_PLACE``; any other overlap is read from a copy; views and
   non-contiguous tensors go through staging buffers. The list forms
-  (``all_gather``, ``gather``, ``scatter``, ``all_to_all``, ``reduce_scatter``)
-  stage through one flat buffer, so their outputs may alias their inputs.
+  (``all_gather``, ``all_to_all``, ``reduce_scatter``) use the lists' own
+  memory when they lie back to back in one buffer and stage through one flat
+  buffer otherwise; ``scatter`` and ``gather`` send each tensor point to
+  point on a duplicate communicator; either way their outputs may alias
+  their inputs. Large outputs get transparent huge pages
+  (:mod:`shardwise_mpi._c10d_buffers` says why and measures it).
 * Rendezvous: ``init_process_group`` without ``store``/``init_method`` goes
   through ``env://``, which needs ``MASTER_ADDR``/``MASTER_PORT``/``RANK``/
   ``WORLD_SIZE``. :func:`register` wraps torch's ``env://`` handler: when those
@@ -55,55 +59,28 @@ How it plugs into torch 2.13:
 from __future__ import annotations
 
 import importlib
-import json
-import os
-import socket
 import threading
 from datetime import timedelta
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from shardwise_mpi._c10d_allreduce import ring_allreduce, takes_ring
 from shardwise_mpi._c10d_buffers import gather_list, list_source, list_target, prefer_huge_pages, scatter_list
-from shardwise_mpi._libmpi import ensure_matching_library
+from shardwise_mpi._c10d_rendezvous import mpi as _mpi
+from shardwise_mpi._c10d_rendezvous import mpi_rendezvous_handler as _mpi_rendezvous_handler
+from shardwise_mpi._c10d_rendezvous import mpi_store as _mpi_store  # noqa: F401 - plugin.py imports it from here
+from shardwise_mpi._c10d_rendezvous import wrap_env_handler as _wrap_env_handler
 from shardwise_mpi._watchdog import Watchdog
 
 __all__ = ["BACKEND_NAME", "MpiProcessGroup", "register"]
 
 BACKEND_NAME = "mpi4py"
 
-# Variables MPI launchers set in every process they start: Hydra/PMI (MPICH,
-# Intel MPI, MVAPICH), PMIx (Open MPI 5, srun --mpi=pmix), Open MPI's own.
-_LAUNCHER_VARS = (
-    "PMI_RANK",
-    "PMI_SIZE",
-    "PMIX_RANK",
-    "OMPI_COMM_WORLD_SIZE",
-    "OMPI_COMM_WORLD_RANK",
-    "MPI_LOCALNRANKS",
-)
-_RENDEZVOUS_VARS = ("MASTER_ADDR", "MASTER_PORT")
-
-_ADDRESS_BYTES = 1024
-
 _registered = False
 # Two threads registering at once must not both wrap torch's env:// handler.
 _register_lock = threading.Lock()
-
-
-def _mpi() -> Any:
-    """``mpi4py.MPI``, imported on first use; the error says how to install it."""
-    # Before mpi4py loads an MPI library: one that can talk to the launcher (raises LaunchError if none).
-    ensure_matching_library()
-    try:
-        from mpi4py import MPI
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            'torch.distributed backend "mpi4py" needs mpi4py and an MPI library: '
-            "pip install 'shardwise-mpi[mpich]' (or mpi4py against your system MPI)"
-        ) from exc
-    return MPI
 
 
 def _collectives() -> Any:
@@ -215,7 +192,7 @@ class MpiProcessGroup(dist.ProcessGroup):
                     c.Free()
 
     def _side(self) -> Any:
-        """A duplicate of the group's communicator for the point-to-point messages of ``scatter``/``gather``.
+        """A duplicate of the group's communicator for the point-to-point messages of scatter, gather, all_reduce.
 
         Their messages then never match the program's own ``send``/``recv`` on
         the group. Made on first use: every rank of the group is then inside
@@ -244,9 +221,20 @@ class MpiProcessGroup(dist.ProcessGroup):
         for t in tensors:
             if factor is not None:
                 _scaled(t, factor, in_place=True)
-            with self._watch("all_reduce"):
-                self._C.allreduce(self.comm, t, op)
+            self._allreduce_one(t, op)
         return _completed(tensors)
+
+    def _allreduce_one(self, t: torch.Tensor, op: Any) -> None:
+        # Large sums take a ring of point-to-point exchanges (faster than MPICH's
+        # Allreduce on one host; see _c10d_allreduce), everything else MPI's own.
+        name = self._C.normalize_op(op)
+        if takes_ring(t, name, self.size()):
+            side = self._side()
+            with self._watch("all_reduce"):
+                ring_allreduce(_mpi(), side, t, name)
+            return
+        with self._watch("all_reduce"):
+            self._C.allreduce(self.comm, t, op)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any) -> Any:
         return self.allreduce(tensors, opts)
@@ -258,8 +246,7 @@ class MpiProcessGroup(dist.ProcessGroup):
         for t in tensors:
             if factor is not None:
                 _scaled(t, factor, in_place=True)
-            with self._watch("all_reduce"):
-                self._C.allreduce(self.comm, t, op)
+            self._allreduce_one(t, op)
         return _completed(tensors)
 
     def _allgather_base(self, output: torch.Tensor, inp: torch.Tensor, opts: Any = None) -> Any:
@@ -452,70 +439,6 @@ def _create(backend_opts: Any, pg_options: Any = None) -> MpiProcessGroup:
     if comm.Get_rank() != rank:
         raise RuntimeError(f"MPI rank {comm.Get_rank()} differs from torch group rank {rank}")
     return MpiProcessGroup(comm, str(backend_opts.group_id), timeout=getattr(backend_opts, "timeout", None))
-
-
-# --- rendezvous -----------------------------------------------------------
-def _under_mpi_launcher() -> bool:
-    return any(v in os.environ for v in _LAUNCHER_VARS)
-
-
-def _mpi_store(timeout: timedelta) -> tuple[Any, int, int]:
-    """A TCPStore hosted by MPI rank 0 on a free port, found by every rank through MPI.
-
-    Raises:
-        RuntimeError: rank 0 could not open the store (raised on every rank,
-            so none waits for an address that never comes), or this rank
-            could not connect to it within ``timeout``.
-    """
-    MPI = _mpi()
-    world = MPI.COMM_WORLD
-    rank, size = world.Get_rank(), world.Get_size()
-    store = None
-    failure: Optional[Exception] = None
-    # Fixed-size bytes, not mpi4py's pickling bcast: no rank unpickles a peer's data.
-    # All zeros means rank 0 has no store: every rank then raises instead of waiting.
-    buf = bytearray(_ADDRESS_BYTES)
-    if rank == 0:
-        host = os.environ.get("MASTER_ADDR") or socket.gethostname()
-        try:
-            store = dist.TCPStore(host, 0, size, True, timeout=timeout, wait_for_workers=False)
-            text = json.dumps([host, store.port]).encode()
-            if len(text) > _ADDRESS_BYTES:
-                raise RuntimeError(f"host name {host!r} is too long for the mpi4py rendezvous; set MASTER_ADDR")
-            buf[: len(text)] = text
-        except (RuntimeError, OSError) as exc:
-            failure = exc
-    world.Bcast([buf, MPI.BYTE], root=0)
-    if failure is not None:
-        raise failure
-    if not any(buf):
-        raise RuntimeError(
-            "rank 0 could not open the TCP store of the mpi4py rendezvous (its own error says why); "
-            "set MASTER_ADDR to an address of rank 0's host that every rank can reach"
-        )
-    if rank != 0:
-        host, port = json.loads(bytes(buf).rstrip(b"\0").decode())
-        store = dist.TCPStore(host, int(port), size, False, timeout=timeout)
-    return store, rank, size
-
-
-def _mpi_rendezvous_handler(url: str, timeout: timedelta = timedelta(minutes=30), **kwargs: Any) -> Iterator[Any]:
-    """``init_method="mpi4py://"``: rank and world size from ``MPI.COMM_WORLD``."""
-    yield _mpi_store(timeout)
-    raise RuntimeError("mpi4py:// rendezvous cannot re-rendezvous")
-
-
-def _wrap_env_handler(original: Any) -> Any:
-    def handler(url: str, timeout: timedelta = timedelta(minutes=30), **kwargs: Any) -> Iterator[Any]:
-        missing = [v for v in _RENDEZVOUS_VARS if not os.environ.get(v)]
-        if missing and _under_mpi_launcher():
-            return _mpi_rendezvous_handler(url, timeout=timeout, **kwargs)
-        result: Iterator[Any] = original(url, timeout=timeout, **kwargs)
-        return result
-
-    handler._shardwise_mpi = True  # type: ignore[attr-defined]
-    handler.__wrapped__ = original  # type: ignore[attr-defined]  # what it falls back to, for inspection
-    return handler
 
 
 def register() -> None:

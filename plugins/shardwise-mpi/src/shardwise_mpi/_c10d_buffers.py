@@ -14,6 +14,11 @@ Two things made torch-native code slower over this backend than it had to be
   already share, so nothing is staged. The MPI calls stay the same on every
   rank whatever each rank's layout (a rank's buffers decide only whether
   *it* stages), so ranks can never disagree about which collective runs.
+  ``scatter`` and ``gather`` go further: :func:`scatter_list` and
+  :func:`gather_list` send each piece from, and receive it into, its own
+  tensor point to point (what MPICH's ``Scatterv``/``Gatherv`` do inside
+  anyway), so separate tensors are not staged either, and the root's own
+  piece is a local copy (MPICH's send to self of 32 MiB cost ~4x a memcpy).
 * **First-touch page faults.** The outputs torch allocates for a collective
   (``full_tensor``'s all-gather, ``distribute_tensor``'s scatter) are fresh
   memory: on Linux each 4 KiB page faults and is zeroed when MPI first
@@ -35,7 +40,15 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-__all__ = ["HUGE_PAGE_MIN_BYTES", "flat_view", "list_source", "list_target", "prefer_huge_pages"]
+__all__ = [
+    "HUGE_PAGE_MIN_BYTES",
+    "flat_view",
+    "gather_list",
+    "list_source",
+    "list_target",
+    "prefer_huge_pages",
+    "scatter_list",
+]
 
 #: Outputs smaller than this are not advised (too few pages to matter against the system call).
 HUGE_PAGE_MIN_BYTES = 4 << 20

@@ -1,11 +1,12 @@
-"""Run under ``mpiexec -n N``: the "mpi4py" backend's list collectives against the generic flat ones.
+"""Run under ``mpiexec -n N``: the "mpi4py" backend's fast paths against the generic ones.
 
 ``scatter`` and ``gather`` go point to point, each piece from / into where it
 is; ``all_gather``, ``all_to_all`` and ``reduce_scatter`` use the memory of
 lists that lie back to back in one buffer instead of staging them
 (``shardwise_mpi._c10d_buffers``). Each is compared with the generic path
 (``shardwise_mpi._collectives`` on a flat concatenation, as the backend did
-before) and with the values it must produce, on hypothesis-drawn dtypes,
+before) and with the values it must produce; the ring all-reduce with
+MPI's ``Allreduce``; on hypothesis-drawn dtypes,
 per-rank sizes (uneven and empty included), layouts (separate tensors, views
 of one buffer, strided views) and roots.
 
@@ -26,7 +27,9 @@ import torch
 import torch.distributed as dist
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+from mpi4py import MPI
 from shardwise_mpi import _collectives as C
+from shardwise_mpi._c10d_allreduce import RING_MIN_BYTES, ring_allreduce, takes_ring
 
 DTYPES = (torch.float32, torch.float64, torch.int32, torch.int64, torch.bfloat16, torch.float16, torch.uint8,
           torch.bool, torch.complex64)  # fmt: skip
@@ -141,6 +144,18 @@ def run_case(case: dict[str, Any]) -> None:
         want = sum(piece(a, rank, counts[rank]).to(C.reduction_dtype(dtype)) for a in range(n))
         assert torch.equal(out, generic), ("reduce_scatter vs generic", case)
         assert torch.equal(out, torch.as_tensor(want).to(dtype)), ("reduce_scatter", case)
+    # all_reduce: the ring (called directly: the backend takes it from RING_MIN_BYTES on) against MPI's
+    ring_dtype = dtype if dtype in (torch.float32, torch.float64, torch.int64, torch.complex64) else torch.int32
+    numel = sum(sizes) * 37 + counts[0]  # uneven chunks, up to a few hundred elements
+    for op in ("sum", "avg") if (ring_dtype.is_floating_point or ring_dtype.is_complex) else ("sum",):
+        (x,) = laid_out([values(seed + rank, numel, ring_dtype)], lin)  # strided: through a contiguous copy
+        generic = x.clone()
+        ring_allreduce(MPI, pg._side(), x, op, segment_bytes=8 * (1 + seed % 40))  # many segments, uneven
+        C.allreduce(comm, generic, op)
+        assert torch.equal(x, generic), ("all_reduce ring", op, case)
+    assert takes_ring(torch.empty(1 << 22), "sum", n) and not takes_ring(
+        torch.empty(1 << 22, dtype=torch.int64), "avg", n
+    )
     examples += 1
 
 
@@ -157,10 +172,26 @@ def test_list_collectives(case: dict[str, Any]) -> None:
     run_case(case)
 
 
+def large_all_reduce_takes_the_ring() -> None:
+    """``dist.all_reduce`` from ``RING_MIN_BYTES`` on, contiguous or not, gives MPI's ``Allreduce``'s values."""
+    pg: Any = dist.group.WORLD
+    rank = dist.get_rank()
+    numel = RING_MIN_BYTES // 4 + 5
+    for op, dist_op in (("sum", dist.ReduceOp.SUM), ("avg", dist.ReduceOp.AVG)):
+        x = (torch.arange(2 * numel) % 1000 + rank).float()
+        for t in (x[:numel], x[::2]):
+            assert takes_ring(t, op, dist.get_world_size())
+            generic = t.clone()
+            dist.all_reduce(t, op=dist_op)
+            C.allreduce(pg.comm, generic, op)
+            assert torch.equal(t, generic), ("large all_reduce", op, t.is_contiguous())
+
+
 def main() -> None:
     shardwise_mpi.register_torch_backend()
     dist.init_process_group("mpi4py")
     try:
+        large_all_reduce_takes_the_ring()
         test_list_collectives()
     except BaseException:  # noqa: BLE001 - the job must end, not wait in the next collective
         traceback.print_exc()
