@@ -34,6 +34,12 @@ import shardwise
 from shardwise.errors import LaunchError
 
 
+def _say(line: str) -> None:
+    # One write per line: print() writes the text and its newline apart, and mpiexec merges the ranks'
+    # output, so a peer's line could land between them ("...over MPIRAISED 1 ...").
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
 def _torch_globals() -> tuple[object, ...]:
     """What registering the torch backend "mpi4py" changes (shardwise_mpi.register_torch_backend)."""
     rdzv = importlib.import_module("torch.distributed.rendezvous")  # also a function: import by name
@@ -81,7 +87,7 @@ def main(mode: str) -> None:
             from mpi4py import MPI
 
             assert not dist.is_initialized(), "a failed shardwise.init() left torch.distributed initialised"
-            print(f"RAISED {MPI.COMM_WORLD.Get_rank()} {' '.join(str(exc).split())}", flush=True)
+            _say(f"RAISED {MPI.COMM_WORLD.Get_rank()} {' '.join(str(exc).split())}")
             return
         raise AssertionError("shardwise.init() did not raise")
     if mode == "user-first":
@@ -99,7 +105,7 @@ def main(mode: str) -> None:
         assert (dist.get_rank(), dist.get_world_size()) == (rank, n)
         checks += _dtensor_checks(n, rank)
         if mode == "no-destroy":
-            print(f"OK {rank} {len(checks)}", flush=True)
+            _say(f"OK {rank} {len(checks)}")
             return  # no shardwise.destroy(): the process must still end cleanly
         checks.append(_fsdp2_step(n, rank))
         # The default store is shared by every rank: a group of another backend can rendezvous on it.
@@ -133,7 +139,7 @@ def main(mode: str) -> None:
         checks.append("user's group kept")
     else:
         raise SystemExit(f"unknown mode {mode!r}")
-    print(f"OK {rank} {len(checks)}", flush=True)
+    _say(f"OK {rank} {len(checks)}")
 
 
 if __name__ == "__main__":
