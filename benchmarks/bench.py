@@ -1,7 +1,7 @@
 """``make bench``: torch 2.13's ``torch.distributed._shard`` against shardwise, side by side in one run.
 
     .venv/bin/mpiexec -n 2 .venv/bin/python benchmarks/bench.py            # make bench
-    .venv/bin/mpiexec -n 4 .venv/bin/python benchmarks/bench.py            # make bench RANKS=4
+    .venv/bin/mpiexec -n 4 .venv/bin/python benchmarks/bench.py            # make bench-core RANKS=4
     .venv/bin/mpiexec -n 2 .venv/bin/python benchmarks/bench.py --smoke --out /tmp/b   # tiny sizes
 
 Columns: torch._shard over a torch gloo process group, shardwise over the same

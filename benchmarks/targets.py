@@ -21,7 +21,7 @@ def checklist(path: Path) -> list[str]:
     """The ``- [x]`` / ``- [ ]`` lines of ``path``'s ``Targets:`` section(s)."""
     lines, inside = [], False
     for line in path.read_text().splitlines():
-        if line.strip().rstrip(":").lower() == "targets":
+        if line.strip().lstrip("#").strip().rstrip(":").lower() == "targets":  # "Targets:" or "## Targets"
             inside = True
             continue
         if inside and line.startswith("- ["):

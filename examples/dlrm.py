@@ -204,11 +204,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "none; 0: none)",
     )
     parser.add_argument(
-        "--no-pipeline",
-        dest="pipeline",
-        action="store_false",
-        help="train with the plain blocking loop instead of SparseDistPipeline (which exchanges the next "
-        "batch's ids and makes its data while this batch computes; same losses either way)",
+        "--pipeline",
+        action="store_true",
+        help="train through SparseDistPipeline: the next batch's ids travel, and its data is made on a thread, "
+        "while this batch computes (same losses; faster only where a core would otherwise wait, see "
+        "docs/performance.md)",
     )
     parser.add_argument(
         "--tiny",
@@ -324,7 +324,7 @@ def train(
     history: History,
     steps: int,
     label: str,
-    pipeline: bool = True,
+    pipeline: bool = False,
 ) -> tuple[float, list[float]]:
     """Train ``steps`` steps after those in ``history``, appending their losses.
 

@@ -129,7 +129,7 @@ def test_speedup_chart_draws_the_bars_and_their_labels(chart: ModuleType, tmp_pa
 def test_targets_gathers_every_checklist(tmp_path: Path) -> None:
     """benchmarks/targets.py (make bench's last step) lists each file's targets and counts those met."""
     (tmp_path / "a.md").write_text("# A\n\n| x |\n\nTargets:\n\n- [x] fast: 2x\n- [ ] faster: 0.9x\n")
-    (tmp_path / "b.md").write_text("Targets:\n\n- [x] small: 1 s\n")
+    (tmp_path / "b.md").write_text("# B\n\n## Targets\n\n- [x] small: 1 s\n\n## After\n\n- [ ] not a target\n")
     out = subprocess.run(
         [sys.executable, str(BENCHMARKS / "targets.py"), str(tmp_path / "a.md"), str(tmp_path / "b.md"),
          str(tmp_path / "missing.md")],

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from typing import Any, Optional, Sequence
 
 import torch
@@ -39,6 +40,7 @@ from shardwise_embedding._tables import (
 __all__ = ["ShardedEmbeddingBagCollection", "shard_collection"]
 
 OP = "EmbeddingBagCollection"
+_log = logging.getLogger("shardwise.comm")
 
 
 class _LocalTable(nn.Module):
@@ -294,9 +296,12 @@ class ShardedEmbeddingBagCollection(nn.Module):
 
     def _discard_prefetched(self) -> None:
         """Drop the prefetched batch, if any, once its exchange is done (a pipeline stopped early)."""
-        if self._prefetched is not None:
-            self._prefetched.received()
-            self._prefetched = None
+        dispatched, self._prefetched = self._prefetched, None
+        if dispatched is not None:
+            try:
+                dispatched.received()
+            except Exception:  # noqa: BLE001 - its ids are dropped anyway; a broken group shows at its next call
+                _log.debug("a dropped prefetched batch's exchange had failed", exc_info=True)
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         """Pool this rank's batch; collective: every rank of the group calls it, each with its own batch.
