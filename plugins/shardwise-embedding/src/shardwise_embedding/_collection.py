@@ -12,8 +12,6 @@ block's gradient the matching rows of the dense gradient of all ranks' losses
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 from typing import Any, Optional, Sequence
 
@@ -25,9 +23,10 @@ import shardwise.nn.functional as dist_f
 from shardwise import Group, ShardedTensor, sdk
 from shardwise_embedding._blocks import LocalBlock, register_block
 from shardwise_embedding._exchange import Dispatched, Routes, parse_inbox, route_ids
+from shardwise_embedding._grad import SumOverRanks
 from shardwise_embedding._jagged import KeyedJaggedTensor
 from shardwise_embedding._keyed_tensor import KeyedTensor
-from shardwise_embedding._plan_data import EmbeddingShardingPlan, PlanError
+from shardwise_embedding._plan_data import EmbeddingShardingPlan, PlanError, check_budget, plan_fingerprint
 from shardwise_embedding._tables import (
     EmbeddingBagCollection,
     EmbeddingBagConfig,
@@ -101,60 +100,6 @@ class _LocalTable(nn.Module):
             self.weight.copy_(value[r0:r1, c0:c1])
 
 
-class _SumOverRanks(torch.autograd.Function):
-    """Identity on the replicated tables; in backward, one all-reduce adds every rank's gradients of all of them."""
-
-    @staticmethod
-    def forward(ctx: Any, group: Group, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.group = group
-        ctx.shapes = [w.shape for w in weights]
-        ctx.dtype_device = [(w.dtype, w.device) for w in weights]
-        return tuple(w.view_as(w) for w in weights)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
-        # A table no bag of this rank's batch reached still takes part: its zeros keep the sum's layout.
-        filled = [
-            torch.zeros(s, dtype=dt, device=dev) if g is None else g
-            for g, s, (dt, dev) in zip(grads, ctx.shapes, ctx.dtype_device, strict=True)
-        ]
-        flat = torch.cat([g.reshape(-1) for g in filled])
-        ctx.group.all_reduce(flat, "sum")
-        out = []
-        pieces = flat.split([g.numel() for g in filled])
-        for piece, s, (dt, _) in zip(pieces, ctx.shapes, ctx.dtype_device, strict=True):
-            out.append(piece.view(s).to(dt))  # tables of several dtypes were summed in the widest
-        return (None, *out)
-
-
-def _fingerprint(tables: Sequence[EmbeddingBagConfig], plan: EmbeddingShardingPlan) -> str:
-    cfg = [[t.name, t.num_embeddings, t.embedding_dim, list(t.feature_names), t.pooling, str(t.dtype)] for t in tables]
-    body = json.dumps({"tables": cfg, "plan": [t.to_dict() | {"reason": ""} for t in plan.tables]}, sort_keys=True)
-    return hashlib.sha256(body.encode()).hexdigest()[:16]
-
-
-def _check_budget(tables: Sequence[EmbeddingBagConfig], plan: EmbeddingShardingPlan) -> None:
-    """The tables' bytes on each rank fit the plan's per-rank budget, if it has one (a hand edit may break it)."""
-    budget = plan.memory_budget_bytes
-    if budget is None:
-        return
-    held = [0] * plan.world_size
-    for t in tables:
-        p = plan[t.name]
-        if p.sharding_type == "data_parallel":
-            for r in range(plan.world_size):
-                held[r] += t.bytes
-        for b in p.blocks:
-            held[b.rank] += b.shape[0] * b.shape[1] * t.dtype.itemsize
-    over = [(r, n) for r, n in enumerate(held) if n > budget]
-    if over:
-        worst = ", ".join(f"rank {r}: {n} bytes" for r, n in over)
-        raise PlanError(
-            f"the plan does not fit its memory budget of {budget} bytes per rank ({worst}, tables alone); "
-            "plan again (EmbeddingShardingPlanner(..., memory_budget_bytes=...)) or raise the budget"
-        )
-
-
 class ShardedEmbeddingBagCollection(nn.Module):
     """An :class:`EmbeddingBagCollection` sharded by a plan over a group (made by :func:`shard_collection`).
 
@@ -192,8 +137,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
                     "a checkpoint load afterwards, into the sharded collection's state dict"
                 )
             plan.check(tables, group.size)
-            _check_budget(tables, plan)
-            return _fingerprint(tables, plan)
+            check_budget(tables, plan)
+            return plan_fingerprint(tables, plan)
 
         prints = group.agree(check, op="shard_collection", gather=True)
         if len(set(prints)) > 1:
@@ -368,7 +313,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         synced = dict(
             zip(
                 [t.name for t in replicated],
-                _SumOverRanks.apply(group, *[self._weight(t.name) for t in replicated]) if replicated else (),
+                SumOverRanks.apply(group, *[self._weight(t.name) for t in replicated]) if replicated else (),
                 strict=True,
             )
         )

@@ -1,13 +1,20 @@
-"""A gradient-only scaling step (for ``scale_grad_by_freq`` across ranks)."""
+"""Autograd steps of the sharded embeddings.
+
+A gradient-only scaling step (for ``scale_grad_by_freq`` across ranks), and
+the sum over ranks of a collection's replicated tables' gradients.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch.autograd import Function
 
-__all__ = ["pool_by_frequency", "scale_grad"]
+if TYPE_CHECKING:
+    from shardwise import Group
+
+__all__ = ["SumOverRanks", "pool_by_frequency", "scale_grad"]
 
 
 class _ScaleGrad(Function):
@@ -68,3 +75,29 @@ def pool_by_frequency(
     if padding_idx is not None:
         rows = rows * (ids != padding_idx).unsqueeze(1).to(rows.dtype)
     return rows.new_zeros((bags, table.shape[1])).index_add(0, bag, rows)
+
+
+class SumOverRanks(Function):
+    """Identity on the replicated tables; in backward, one all-reduce adds every rank's gradients of all of them."""
+
+    @staticmethod
+    def forward(ctx: Any, group: Group, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.group = group
+        ctx.shapes = [w.shape for w in weights]
+        ctx.dtype_device = [(w.dtype, w.device) for w in weights]
+        return tuple(w.view_as(w) for w in weights)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
+        # A table no bag of this rank's batch reached still takes part: its zeros keep the sum's layout.
+        filled = [
+            torch.zeros(s, dtype=dt, device=dev) if g is None else g
+            for g, s, (dt, dev) in zip(grads, ctx.shapes, ctx.dtype_device, strict=True)
+        ]
+        flat = torch.cat([g.reshape(-1) for g in filled])
+        ctx.group.all_reduce(flat, "sum")
+        out = []
+        pieces = flat.split([g.numel() for g in filled])
+        for piece, s, (dt, _) in zip(pieces, ctx.shapes, ctx.dtype_device, strict=True):
+            out.append(piece.view(s).to(dt))  # tables of several dtypes were summed in the widest
+        return (None, *out)

@@ -17,6 +17,7 @@ each block lives on one rank, and a rank holds at most one block of a table:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from typing import Any, Mapping, Optional, Sequence
 
@@ -31,8 +32,10 @@ __all__ = [
     "PlanError",
     "RankLoad",
     "TablePlan",
+    "check_budget",
     "chunks",
     "make_blocks",
+    "plan_fingerprint",
 ]
 
 #: Every sharding type, in the order the planner prefers them when costs tie.
@@ -407,3 +410,32 @@ class EmbeddingShardingPlan:
     def explain(self) -> str:
         """What the plan does and why: per-rank memory and bytes, then each table's choice and reason."""
         return render_plan(self)
+
+
+def plan_fingerprint(tables: Sequence[EmbeddingBagConfig], plan: EmbeddingShardingPlan) -> str:
+    """A short digest of the tables and the plan (reasons aside): ranks compare it to agree they got the same."""
+    cfg = [[t.name, t.num_embeddings, t.embedding_dim, list(t.feature_names), t.pooling, str(t.dtype)] for t in tables]
+    body = json.dumps({"tables": cfg, "plan": [t.to_dict() | {"reason": ""} for t in plan.tables]}, sort_keys=True)
+    return hashlib.sha256(body.encode()).hexdigest()[:16]
+
+
+def check_budget(tables: Sequence[EmbeddingBagConfig], plan: EmbeddingShardingPlan) -> None:
+    """The tables' bytes on each rank fit the plan's per-rank budget, if it has one (a hand edit may break it)."""
+    budget = plan.memory_budget_bytes
+    if budget is None:
+        return
+    held = [0] * plan.world_size
+    for t in tables:
+        p = plan[t.name]
+        if p.sharding_type == "data_parallel":
+            for r in range(plan.world_size):
+                held[r] += t.bytes
+        for b in p.blocks:
+            held[b.rank] += b.shape[0] * b.shape[1] * t.dtype.itemsize
+    over = [(r, n) for r, n in enumerate(held) if n > budget]
+    if over:
+        worst = ", ".join(f"rank {r}: {n} bytes" for r, n in over)
+        raise PlanError(
+            f"the plan does not fit its memory budget of {budget} bytes per rank ({worst}, tables alone); "
+            "plan again (EmbeddingShardingPlanner(..., memory_budget_bytes=...)) or raise the budget"
+        )
