@@ -458,8 +458,8 @@ def test_intersections_match_brute_force(pair: tuple[tuple[list[int], list[int]]
         assert got is None
     else:
         assert got is not None and _cells(*got) == expected
-    # The exchange computes the same box, and where it starts inside each shard.
-    piece = _plan._piece(ShardMetadata(ao, asz), 3, ShardMetadata(bo, bsz), 5)
+    # The exchange turns that box into a piece: where it starts inside each shard.
+    piece = _plan._piece(ShardMetadata(ao, asz), 3, ShardMetadata(bo, bsz), 5, *got) if got is not None else None
     if not expected:
         assert piece is None
     else:
@@ -518,6 +518,16 @@ class _Wires:
         self.slots: list[Any] = [None] * world
 
 
+class _Done:
+    """The handle of an ``async_op=True`` call that has already finished."""
+
+    def __init__(self, value: torch.Tensor) -> None:
+        self.value = value
+
+    def wait(self) -> torch.Tensor:
+        return self.value
+
+
 class _ThreadGroup:
     """Just enough of a Group for ``redistribute``: rank, size, device and an in-memory ``all_to_all_single``."""
 
@@ -543,6 +553,17 @@ class _ThreadGroup:
         input_split_sizes: Sequence[int],
         *,
         out: Optional[torch.Tensor] = None,
+        async_op: bool = False,
+    ) -> Any:
+        result = self._all_to_all_single(tensor, output_split_sizes, input_split_sizes, out)
+        return _Done(result) if async_op else result  # this wire has moved the data by the time it returns
+
+    def _all_to_all_single(
+        self,
+        tensor: torch.Tensor,
+        output_split_sizes: Sequence[int],
+        input_split_sizes: Sequence[int],
+        out: Optional[torch.Tensor],
     ) -> torch.Tensor:
         self.calls += 1
         w = self.wires
