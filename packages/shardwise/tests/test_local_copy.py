@@ -225,3 +225,24 @@ def test_boxes_are_read_run_by_run_into_the_target(shape: list[int], data: Any, 
     region = tuple(slice(a, a + n) for a, n in zip(at, sizes, strict=True))
     expected[region] = source[tuple(slice(s, s + n) for s, n in zip(start, sizes, strict=True))]
     assert torch.equal(target, expected)
+
+
+def test_wrappers_of_one_process_group_share_the_verdict() -> None:
+    # A wrapper collected on one rank is made anew while a peer's old one lives on (a reference cycle):
+    # the verdict (agreed collectively, once) must follow the process group, or the ranks would disagree
+    # on whether to agree again (the torch suite's reshard test hung so on gloo).
+    from shardwise._comm.torch_group import TorchGroup
+
+    class Channel:
+        pass
+
+    class Wrapper:
+        def __init__(self, pg: Channel) -> None:
+            self.pg = pg
+
+        _communicator = TorchGroup._communicator
+
+    channel = Channel()
+    first, second = Wrapper(channel), Wrapper(channel)
+    assert local_copy._state(first) is local_copy._state(second)  # type: ignore[arg-type]
+    assert local_copy._state(Wrapper(Channel())) is not local_copy._state(first)  # type: ignore[arg-type]

@@ -394,6 +394,14 @@ class Group(abc.ABC):
             self.verify = saved
 
     # -- agreement -----------------------------------------------------------
+    def _communicator(self) -> object:
+        """The object whose lifetime is this group's communication channel (state about it is keyed by it).
+
+        The group itself, unless it wraps a channel that other wrapper
+        objects may share (a torch process group).
+        """
+        return self
+
     def _describe(self, primitive: str) -> str:
         """What a backend's error message should call the running ``primitive`` (the user's call, if labelled)."""
         label = current_label(self)

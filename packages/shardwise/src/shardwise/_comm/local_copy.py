@@ -44,7 +44,7 @@ import os
 import sys
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
@@ -104,7 +104,7 @@ class _State:
 #: A backend's all-gather of one equal-length int64 row per rank: ``exchange(out, inp)``.
 Exchange = Callable[[torch.Tensor, torch.Tensor], None]
 
-_states: weakref.WeakKeyDictionary[Group, _State] = weakref.WeakKeyDictionary()
+_states: weakref.WeakKeyDictionary[Any, _State] = weakref.WeakKeyDictionary()
 _readv: Optional[Callable[..., int]] = None
 #: The probe's answer: None before it ran, "" when the syscall works, else why not.
 _probed: Optional[str] = None
@@ -204,9 +204,13 @@ def _read_runs(pid: int, runs: torch.Tensor) -> int:
 
 
 def _state(group: Group) -> _State:
-    state = _states.get(group)
+    # Keyed by the communicator, not the Group object: several wrappers of one torch process group can
+    # exist over time (a wrapper collected on one rank is made anew, while a peer's survives in a
+    # reference cycle), and the verdict must be the same on every rank.
+    key = group._communicator()
+    state = _states.get(key)
     if state is None:
-        state = _states[group] = _State()
+        state = _states[key] = _State()
     return state
 
 

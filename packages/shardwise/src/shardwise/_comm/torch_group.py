@@ -105,6 +105,11 @@ class TorchGroup(Group):
         verify: See :class:`~shardwise.Group`.
     """
 
+    def _communicator(self) -> object:
+        # Wrappers of one torch process group come and go (wrap_process_group makes a new one when the old
+        # is collected); what they share is the process group.
+        return self.pg
+
     def __init__(
         self,
         pg: dist.ProcessGroup,
