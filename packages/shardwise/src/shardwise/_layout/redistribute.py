@@ -276,19 +276,35 @@ def _execute(
             return direct
         send = pack(pl, sources, wire_dtype, group.device)
         into = receive_view(pl, targets, wire_dtype)
-        size = wire_dtype.itemsize
-        with group.unverified() if trusted else contextlib.nullcontext():
-            recv = group.all_to_all_single(
-                send.view(torch.uint8),
-                output_split_sizes=[n * size for n in pl.recv_counts],
-                input_split_sizes=[n * size for n in pl.send_counts],
-                out=None if into is None else into.view(torch.uint8),
-            )
+        recv: torch.Tensor = _send_bytes(pl, send, into, group, wire_dtype, trusted=trusted, async_op=False)
         del send  # free the send buffer before unpacking
         flat = recv.view(wire_dtype)
         if into is None:
             unpack(pl, flat, targets)
         return flat
+
+
+def _send_bytes(
+    pl: TransferPlan,
+    send: torch.Tensor,
+    into: Optional[torch.Tensor],
+    group: Group,
+    wire_dtype: torch.dtype,
+    *,
+    trusted: bool,
+    async_op: bool,
+) -> Any:
+    """The plan's all-to-all of bytes: ``send`` out, into ``into`` (or a new buffer); its result, or its Work."""
+    size = wire_dtype.itemsize
+    sizes: dict[str, Any] = {
+        "output_split_sizes": [n * size for n in pl.recv_counts],
+        "input_split_sizes": [n * size for n in pl.send_counts],
+        "out": None if into is None else into.view(torch.uint8),
+    }
+    with group.unverified() if trusted else contextlib.nullcontext():
+        if async_op:
+            return group.all_to_all_single(send.view(torch.uint8), **sizes, async_op=True)
+        return group.all_to_all_single(send.view(torch.uint8), **sizes)
 
 
 def _fits_direct(t: Optional[torch.Tensor], dtype: torch.dtype) -> bool:
@@ -504,7 +520,6 @@ def _execute_overlapped(
     the shard size: the peak stays where one slab at a time had it.
     Slabs never receive into a whole target (their targets exist up front).
     """
-    size = wire_dtype.itemsize
     inflight: Optional[tuple[TransferPlan, Any, Optional[torch.Tensor]]] = None
 
     def finish(part: TransferPlan, work: Any, into: Optional[torch.Tensor]) -> None:
@@ -522,14 +537,7 @@ def _execute_overlapped(
                 finish(*inflight)
                 inflight = None
             into = receive_view(part, targets, wire_dtype)
-            with group.unverified() if trusted else contextlib.nullcontext():
-                work = group.all_to_all_single(
-                    send.view(torch.uint8),
-                    output_split_sizes=[n * size for n in part.recv_counts],
-                    input_split_sizes=[n * size for n in part.send_counts],
-                    out=None if into is None else into.view(torch.uint8),
-                    async_op=True,
-                )
+            work = _send_bytes(part, send, into, group, wire_dtype, trusted=trusted, async_op=True)
             del send  # the collective holds it until done
             inflight = (part, work, into)
         if inflight is not None:
