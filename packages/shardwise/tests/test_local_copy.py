@@ -12,7 +12,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import pytest
 import torch
@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import shardwise
-from shardwise._comm import local_copy
+from shardwise._comm import box_moves, local_copy
 from shardwise._comm.group import Group
 
 from rank_helpers import group_without_local_copy, run
@@ -185,15 +185,29 @@ def test_the_probe_reports_a_refused_syscall(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def _partial(limit: int) -> Callable[..., int]:
-    """A ``process_vm_readv`` of this process that copies at most ``limit`` bytes of its first run per call."""
+    """A ``process_vm_readv`` of this process that copies at most ``limit`` bytes per call (0: no limit).
+
+    Like the kernel's, it treats each side's iovecs as one stream of bytes,
+    and each side may have its own number of iovecs.
+    """
 
     def read(pid: int, local: int, lcount: int, remote: int, rcount: int, flags: int) -> int:
-        assert pid == os.getpid() and lcount == rcount and flags == 0
-        dst, n = (ctypes.c_int64 * 2).from_address(local)
-        src, _ = (ctypes.c_int64 * 2).from_address(remote)
-        n = min(n, limit)
-        ctypes.memmove(dst, src, n)
-        return n
+        assert pid == os.getpid() and flags == 0 and 0 < lcount <= 2 and 0 < rcount <= 2
+        lv = list((ctypes.c_int64 * (2 * lcount)).from_address(local))
+        rv = list((ctypes.c_int64 * (2 * rcount)).from_address(remote))
+        dst = [(lv[i], lv[i + 1]) for i in range(0, len(lv), 2)]
+        src = [(rv[i], rv[i + 1]) for i in range(0, len(rv), 2)]
+        budget = min(sum(n for _, n in dst), sum(n for _, n in src))
+        budget = min(budget, limit) if limit else budget
+        moved = 0
+        while moved < budget:
+            (d, dn), (s, sn) = dst[0], src[0]
+            n = min(dn, sn, budget - moved)
+            ctypes.memmove(d, s, n)
+            moved += n
+            dst[0], src[0] = (d + n, dn - n), (s + n, sn - n)
+            dst, src = [x for x in dst if x[1]], [x for x in src if x[1]]
+        return moved
 
     return read
 
@@ -202,9 +216,11 @@ def _partial(limit: int) -> Callable[..., int]:
 @given(
     shape=st.lists(st.integers(1, 6), min_size=1, max_size=3),
     data=st.data(),
-    partial=st.sampled_from([0, 3, 40]),
+    partial=st.sampled_from([None, 0, 3, 40]),
 )
-def test_boxes_are_read_run_by_run_into_the_target(shape: list[int], data: Any, partial: int) -> None:
+def test_boxes_are_read_run_by_run_into_the_target(shape: list[int], data: Any, partial: Optional[int]) -> None:
+    # partial: None reads with the real syscall; 0 splits every read into calls of two iovecs a side; n > 0
+    # also stops each call after n bytes.
     start = [data.draw(st.integers(0, n - 1)) for n in shape]
     sizes = [data.draw(st.integers(0, n - s)) for n, s in zip(shape, start, strict=True)]
     pad = [data.draw(st.integers(0, 2)) for _ in shape]
@@ -212,11 +228,11 @@ def test_boxes_are_read_run_by_run_into_the_target(shape: list[int], data: Any, 
     at = [data.draw(st.integers(0, p)) for p in pad]
     source = torch.arange(int(torch.tensor(shape).prod()), dtype=torch.int16).reshape(shape)
     target = torch.full(target_shape, -1, dtype=torch.int16)
-    box = local_copy.BoxRead(0, 0, tuple(shape), tuple(start), tuple(sizes), target, tuple(at))
-    runs = local_copy.box_runs(box, source.data_ptr())
+    box = box_moves.BoxMove(0, 0, 0, tuple(shape), tuple(start), 0, tuple(target_shape), tuple(at), tuple(sizes))
+    runs = box_moves.box_runs(box, 2, source.data_ptr(), target.data_ptr())
     saved = local_copy._readv, local_copy._IOV_MAX
     try:
-        if partial:
+        if partial is not None:
             local_copy._readv, local_copy._IOV_MAX = _partial(partial), 2
         assert local_copy._read_runs(os.getpid(), runs) == 0
     finally:
@@ -225,6 +241,37 @@ def test_boxes_are_read_run_by_run_into_the_target(shape: list[int], data: Any, 
     region = tuple(slice(a, a + n) for a, n in zip(at, sizes, strict=True))
     expected[region] = source[tuple(slice(s, s + n) for s, n in zip(start, sizes, strict=True))]
     assert torch.equal(target, expected)
+
+
+@pytest.mark.parametrize("strided", ["target", "source"])
+def test_runs_that_continue_one_another_are_one_iovec_on_their_side(strided: str) -> None:
+    # The kernel pins remote memory iovec by iovec: a box whose rows lie back to back on one side is read
+    # with one iovec there, however many rows the other side splits it into.
+    if strided == "target":  # a whole shard read into columns 3..8 of a wider target
+        source, target = torch.arange(24, dtype=torch.int16).reshape(4, 6), torch.zeros(4, 12, dtype=torch.int16)
+        box = box_moves.BoxMove(0, 0, 0, (4, 6), (0, 0), 0, (4, 12), (0, 3), (4, 6))
+    else:  # columns 3..8 of a wider shard read into a whole target
+        source, target = torch.arange(48, dtype=torch.int16).reshape(4, 12), torch.zeros(4, 6, dtype=torch.int16)
+        box = box_moves.BoxMove(0, 0, 0, (4, 12), (0, 3), 0, (4, 6), (0, 0), (4, 6))
+    calls: list[tuple[int, int]] = []
+    fake = _partial(0)
+
+    def recording(pid: int, local: int, lcount: int, remote: int, rcount: int, flags: int) -> int:
+        calls.append((lcount, rcount))
+        return fake(pid, local, lcount, remote, rcount, flags)
+
+    saved = local_copy._readv, local_copy._IOV_MAX
+    try:
+        local_copy._readv, local_copy._IOV_MAX = recording, 2
+        runs = box_moves.box_runs(box, 2, source.data_ptr(), target.data_ptr())
+        assert local_copy._read_runs(os.getpid(), runs) == 0
+    finally:
+        local_copy._readv, local_copy._IOV_MAX = saved
+    # Four rows of 12 bytes, at most two iovecs a call on the split side: two calls, one iovec each on
+    # the contiguous side.
+    assert calls == ([(2, 1), (2, 1)] if strided == "target" else [(1, 2), (1, 2)])
+    want = source if strided == "target" else source[:, 3:9]
+    assert torch.equal(target[:, 3:9] if strided == "target" else target, want)
 
 
 def test_wrappers_of_one_process_group_share_the_verdict() -> None:

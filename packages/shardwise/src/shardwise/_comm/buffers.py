@@ -58,6 +58,7 @@ __all__ = [
     "empty_like",
     "huge_pages_enabled",
     "live_bytes",
+    "on_huge_pages",
     "peak_live_bytes",
     "peak_new_bytes",
     "reset_peak",
@@ -90,6 +91,7 @@ _peak = 0  # highest _live since reset_peak()
 # before reset_peak() can be freed inside the window and lower _live under its starting
 # value. _window_live counts only the mappings taken since reset_peak() (tagged by _window),
 # so its peak is what the code in the window added, whatever earlier buffers do meanwhile.
+_spans: dict[int, int] = {}  # start address -> size of each mapping a tensor uses now
 _window = 0  # incremented by reset_peak(); each mapping remembers the window it was taken in
 _window_live = 0  # bytes of mappings taken in the current window and still in use
 _window_peak = 0  # highest _window_live since reset_peak()
@@ -165,6 +167,20 @@ def _unmap(regions: list[mmap.mmap]) -> None:
             pass
 
 
+def on_huge_pages(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s memory lies in one of this cache's huge-page mappings (in use now).
+
+    Another process copies from or into such memory about twice as fast as
+    from 4 KiB pages (the kernel pins the pages of a cross-memory copy one by
+    one); :mod:`shardwise._comm.box_moves` weighs copies by it.
+    """
+    if tensor.device.type != "cpu" or not tensor.numel():
+        return False
+    at = tensor.data_ptr()
+    with _lock:
+        return any(start <= at < start + size for start, size in _spans.items())
+
+
 def live_bytes() -> int:
     """Bytes of mapped buffers in use now (by any tensor)."""
     return _live
@@ -224,7 +240,7 @@ def _take(size: int) -> tuple[mmap.mmap, bool, int]:
     return region, True, window
 
 
-def _give_back(region: mmap.mmap, size: int, window: int) -> None:
+def _give_back(region: mmap.mmap, size: int, window: int, start: int) -> None:
     """Called when the last tensor on ``region`` (taken in ``window``) is freed: keep it for reuse, or unmap it.
 
     Runs on whichever thread drops the last reference (a backend's worker
@@ -237,6 +253,7 @@ def _give_back(region: mmap.mmap, size: int, window: int) -> None:
         limit = 0
     evicted: list[mmap.mmap] = []
     with _lock:
+        _spans.pop(start, None)
         _live -= size
         if window == _window:
             _window_live -= size
@@ -262,7 +279,10 @@ def _mapped(shape: Shape, dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
     # The tensor keeps ``holder`` (an export of the mapping) alive; when the last view
     # of it is freed, the finalizer hands the mapping back.
     holder = (ctypes.c_char * size).from_buffer(region)
-    weakref.finalize(holder, _give_back, region, size, window).atexit = False
+    start = ctypes.addressof(holder)
+    with _lock:
+        _spans[start] = size
+    weakref.finalize(holder, _give_back, region, size, window, start).atexit = False
     flat = torch.frombuffer(holder, dtype=torch.uint8)[:nbytes]
     return flat.view(dtype).view(tuple(shape)), fresh
 

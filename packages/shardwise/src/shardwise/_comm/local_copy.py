@@ -1,4 +1,4 @@
-"""One copy between ranks on one host: cross-memory attach (``process_vm_readv``).
+"""One copy between ranks on one host: cross-memory attach (``process_vm_readv``, ``process_vm_writev``).
 
 Why: between processes on one machine, MPI and gloo move a message with two
 copies (sender into a shared segment or socket, segment into the receiver),
@@ -23,12 +23,16 @@ down the backend's own path). Ranks on several hosts always keep the
 backend's path. Collectives whose sizes every rank knows and that move less
 than :data:`MIN_BYTES` keep it too (two small all-gathers cost more there).
 
-Protocol of one call: one small all-gather of ``[ok, pid, addresses...]``;
-each rank reads its pieces from its peers (iovec lists of up to ``IOV_MAX``
-entries, partial reads resumed); then one all-gather of each rank's error
+Protocol of one call (:func:`transfer`): one small all-gather of ``[ok, pid,
+addresses...]``; each rank reads its pieces from its peers (the collectives
+here), or reads some and writes others into its peers' memory (layout
+changes, :mod:`shardwise._comm.box_moves`), by iovec lists of up to
+``IOV_MAX`` entries a side, runs that continue one another merged into one
+iovec, partial copies resumed; then one all-gather of each rank's error
 number, which is also the barrier that keeps a sender from reusing its buffer
-before every peer has read it: a failed read (a peer gone: ``ESRCH``) raises
-:class:`~shardwise.errors.PeerLostError` on every rank. Which path a call took
+(and a receiver from using its result) before every peer is done: a failed
+copy (a peer gone: ``ESRCH``) raises :class:`~shardwise.errors.PeerLostError`
+on every rank. Which path a call took
 is logged at DEBUG on ``shardwise.local_copy``; :data:`stats` counts the
 calls moved here (tests read it).
 """
@@ -39,12 +43,10 @@ import ctypes
 import errno as errno_module
 import hashlib
 import logging
-import math
 import os
 import sys
 import weakref
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Sequence, cast
 
 import torch
 
@@ -58,18 +60,17 @@ if TYPE_CHECKING:
 __all__ = [
     "LOCAL_COPY_ENV",
     "MIN_BYTES",
-    "MIN_RUN_BYTES",
-    "BoxRead",
+    "Copy",
     "all_gather",
+    "all_gather_ints",
     "all_to_all",
-    "box_runs",
     "enabled",
     "gather",
     "probe",
-    "read_boxes",
-    "run_bytes",
     "scatter",
     "stats",
+    "transfer",
+    "usable",
 ]
 
 LOCAL_COPY_ENV = "SHARDWISE_LOCAL_COPY"
@@ -77,8 +78,6 @@ LOCAL_COPY_ENV = "SHARDWISE_LOCAL_COPY"
 MIN_BYTES = 64 * 1024
 #: Most iovecs one ``process_vm_readv`` takes (Linux's ``UIO_MAXIOV``).
 _IOV_MAX = 1024
-#: A box read whose contiguous runs average fewer bytes than this declines (one iovec per run costs more).
-MIN_RUN_BYTES = 256
 
 _log = logging.getLogger("shardwise.comm")
 
@@ -106,6 +105,7 @@ Exchange = Callable[[torch.Tensor, torch.Tensor], None]
 
 _states: weakref.WeakKeyDictionary[Any, _State] = weakref.WeakKeyDictionary()
 _readv: Optional[Callable[..., int]] = None
+_writev: Optional[Callable[..., int]] = None
 #: The probe's answer: None before it ran, "" when the syscall works, else why not.
 _probed: Optional[str] = None
 
@@ -115,23 +115,28 @@ def enabled() -> bool:
     return switched_on(LOCAL_COPY_ENV)
 
 
+def _syscall(name: str) -> Callable[..., int]:
+    libc = ctypes.CDLL(None, use_errno=True)
+    fn = getattr(libc, name)
+    fn.restype = ctypes.c_ssize_t
+    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
+    return cast(Callable[..., int], fn)
+
+
 def _load() -> Callable[..., int]:
     """libc's ``process_vm_readv``, loaded on first use (no import-time side effects)."""
     global _readv
     if _readv is None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.process_vm_readv
-        fn.restype = ctypes.c_ssize_t
-        fn.argtypes = [
-            ctypes.c_int,
-            ctypes.c_void_p,
-            ctypes.c_ulong,
-            ctypes.c_void_p,
-            ctypes.c_ulong,
-            ctypes.c_ulong,
-        ]
-        _readv = fn
+        _readv = _syscall("process_vm_readv")
     return _readv
+
+
+def _load_writev() -> Callable[..., int]:
+    """libc's ``process_vm_writev``, loaded on first use."""
+    global _writev
+    if _writev is None:
+        _writev = _syscall("process_vm_writev")
+    return _writev
 
 
 def probe() -> Optional[str]:
@@ -153,6 +158,12 @@ def probe() -> Optional[str]:
                 err = _read_runs(os.getpid(), _runs([dst.data_ptr()], [src.data_ptr()], [32]))
                 ok = err == 0 and torch.equal(src, dst)
                 _probed = "" if ok else f"process_vm_readv failed: {_strerror(err)}"
+                if ok:
+                    # Layout changes also write into peers (box_moves): a seccomp filter may allow one call only.
+                    back = torch.zeros(4, dtype=torch.int64, device="cpu")
+                    err = _write_runs(os.getpid(), _runs([src.data_ptr()], [back.data_ptr()], [32]))
+                    ok = err == 0 and torch.equal(src, back)
+                    _probed = "" if ok else f"process_vm_writev failed: {_strerror(err)}"
             except (OSError, AttributeError) as exc:  # no libc, or a libc without the symbol
                 _probed = f"process_vm_readv is unavailable: {exc}"
     return _probed or None
@@ -171,32 +182,73 @@ def _runs(local: Sequence[int], remote: Sequence[int], nbytes: Sequence[int]) ->
     return table[table[:, 2] > 0] if table.numel() else table.reshape(0, 3)
 
 
+def _segments(addr: torch.Tensor, nbytes: torch.Tensor) -> torch.Tensor:
+    """``(addr, nbytes)`` runs as an ``(m, 2)`` iovec table, runs that continue one another merged."""
+    starts = torch.ones(addr.shape[0], dtype=torch.bool, device="cpu")
+    starts[1:] = addr[1:] != addr[:-1] + nbytes[:-1]
+    which = starts.cumsum(0) - 1
+    lengths = torch.zeros(int(which[-1]) + 1, dtype=torch.int64, device="cpu").index_add_(0, which, nbytes)
+    return torch.stack([addr[starts], lengths], dim=1)
+
+
+def _window(segs: torch.Tensor, ends: torch.Tensor, begin: int, end: int) -> torch.Tensor:
+    """The iovecs of ``segs`` (cumulative byte ``ends``) that cover stream bytes ``[begin, end)``, trimmed to them."""
+    first = int(torch.searchsorted(ends, begin, right=True))
+    last = int(torch.searchsorted(ends, end, right=False))
+    out = segs[first : last + 1].clone()
+    skip = begin - (int(ends[first - 1]) if first else 0)
+    out[0, 0] += skip
+    out[0, 1] -= skip
+    out[-1, 1] -= int(ends[last]) - end
+    return out
+
+
 def _read_runs(pid: int, runs: torch.Tensor) -> int:
-    """Copy every run of ``runs`` from process ``pid``; 0, or the errno of the failed read."""
-    fn = _load()
-    pos, n = 0, runs.shape[0]
-    while pos < n:
-        batch = runs[pos : pos + _IOV_MAX]
-        local = torch.stack([batch[:, 0], batch[:, 2]], dim=1).contiguous()
-        remote = torch.stack([batch[:, 1], batch[:, 2]], dim=1).contiguous()
-        want = int(batch[:, 2].sum())
-        got = fn(pid, local.data_ptr(), batch.shape[0], remote.data_ptr(), batch.shape[0], 0)
+    """Copy every run of ``runs`` from process ``pid``'s memory into ours; 0, or the errno of the failed read.
+
+    ``runs`` holds ``(local address, remote address, bytes)`` rows (see :func:`_stream`).
+    """
+    return _stream(_load(), pid, runs)
+
+
+def _write_runs(pid: int, runs: torch.Tensor) -> int:
+    """Copy every run of ``runs`` from our memory into process ``pid``'s; 0, or the errno of the failed write.
+
+    ``runs`` holds ``(local address, remote address, bytes)`` rows: the local side is the source here.
+    """
+    return _stream(_load_writev(), pid, runs)
+
+
+def _stream(fn: Callable[..., int], pid: int, runs: torch.Tensor) -> int:
+    """Copy every run of ``runs`` between this process and ``pid`` with ``fn`` (readv or writev); 0, or an errno.
+
+    Runs that continue one another on one side become one iovec there
+    (the other side may stay split): the kernel pins remote memory iovec by
+    iovec, and a box whose rows are back to back in the peer's shard but
+    strided in ours (or the reverse) reads about twice as fast so. Both
+    sides are one stream of bytes, cut into calls of at most ``_IOV_MAX``
+    iovecs a side; a partial read resumes at the first byte not read.
+    """
+    if runs.shape[0] == 0:
+        return 0
+    local, remote = _segments(runs[:, 0], runs[:, 2]), _segments(runs[:, 1], runs[:, 2])
+    local_ends, remote_ends = local[:, 1].cumsum(0), remote[:, 1].cumsum(0)
+    total, done = int(local_ends[-1]), 0
+    while done < total:
+        # The call stops where either side runs out of iovecs.
+        first_l = int(torch.searchsorted(local_ends, done, right=True))
+        first_r = int(torch.searchsorted(remote_ends, done, right=True))
+        end = min(
+            int(local_ends[min(first_l + _IOV_MAX, local.shape[0]) - 1]),
+            int(remote_ends[min(first_r + _IOV_MAX, remote.shape[0]) - 1]),
+        )
+        lv, rv = _window(local, local_ends, done, end), _window(remote, remote_ends, done, end)
+        got = fn(pid, lv.data_ptr(), lv.shape[0], rv.data_ptr(), rv.shape[0], 0)
         if got < 0:
             return ctypes.get_errno() or errno_module.EIO
-        if got < want:
-            if got == 0:
-                return errno_module.EFAULT
-            # A partial read stops between or inside runs: resume from the first byte not read.
-            ends = batch[:, 2].cumsum(0)
-            k = int(torch.searchsorted(ends, torch.tensor(got, device="cpu"), right=True))
-            done = got - (int(ends[k - 1]) if k else 0)
-            rest = runs[pos + k :].clone()
-            rest[0, 0] += done
-            rest[0, 1] += done
-            rest[0, 2] -= done
-            runs, pos, n = rest, 0, rest.shape[0]
-            continue
-        pos += _IOV_MAX
+        if got == 0:
+            return errno_module.EFAULT
+        done += got
     return 0
 
 
@@ -214,7 +266,7 @@ def _state(group: Group) -> _State:
     return state
 
 
-def _all_gather_ints(group: Group, row: Sequence[int]) -> list[list[int]]:
+def all_gather_ints(group: Group, row: Sequence[int]) -> list[list[int]]:
     """Every rank's ``row`` (all the same length), through the backend's own all-gather."""
     mine = torch.tensor(list(row), dtype=torch.int64, device="cpu")
     out = torch.empty(len(row) * group.size, dtype=torch.int64, device="cpu")
@@ -244,6 +296,15 @@ def _usable(group: Group, exchange: Optional[Exchange]) -> Optional[_State]:
     return state if state.verdict else None
 
 
+def usable(group: Group) -> bool:
+    """Whether a call on ``group`` may try cross-memory attach now; the same answer on every rank.
+
+    Collective the first time on a group (the ranks agree on the verdict);
+    a call may still decline afterwards (a rank's tensors do not fit).
+    """
+    return _usable(group, None) is not None
+
+
 def _host_key() -> int:
     """This process's host (name and boot id, as :meth:`Group.hosts` compares them) as one int64."""
     digest = hashlib.blake2b("\0".join(this_host()).encode(), digest_size=8).digest()
@@ -260,13 +321,13 @@ def _agree_verdict(group: Group) -> bool:
     if hosts is not None:
         one_host = len(hosts) == 1
     else:
-        one_host = len({row[0] for row in _all_gather_ints(group, [_host_key()])}) == 1
+        one_host = len({row[0] for row in all_gather_ints(group, [_host_key()])}) == 1
     if not one_host:
         _log.debug("%r: ranks on several hosts, keeping the backend's path", group)
         return False
     reason = probe() if enabled() else f"{LOCAL_COPY_ENV}=0"
     token = torch.tensor([os.getpid(), group.rank, 0x5A5A5A5A], dtype=torch.int64, device="cpu")
-    rows = _all_gather_ints(group, [reason is None, os.getpid(), token.data_ptr()])
+    rows = all_gather_ints(group, [reason is None, os.getpid(), token.data_ptr()])
     err = 0
     if all(row[0] for row in rows):
         # Read the next rank's token: proves the kernel lets this process read a peer's memory.
@@ -277,7 +338,7 @@ def _agree_verdict(group: Group) -> bool:
             err = errno_module.EIO
         if err:
             reason = f"reading rank {peer}'s memory failed: {_strerror(err)}"
-    verdicts = _all_gather_ints(group, [reason is None and all(row[0] for row in rows)])
+    verdicts = all_gather_ints(group, [reason is None and all(row[0] for row in rows)])
     del token
     ok = all(v[0] for v in verdicts)
     _log.debug(
@@ -291,13 +352,13 @@ def _agree_verdict(group: Group) -> bool:
 
 def _finish(group: Group, name: str, err: int) -> None:
     """Collective end of a call: every rank has read (so buffers may be reused); raise everywhere if one failed."""
-    errors = [row[0] for row in _all_gather_ints(group, [err])]
+    errors = [row[0] for row in all_gather_ints(group, [err])]
     failed = [(r, e) for r, e in enumerate(errors) if e]
     if failed:
         where = ", ".join(f"rank {r}: {_strerror(e)}" for r, e in failed)
         raise PeerLostError(
             f"rank {group.rank} of {group.size}: {name} by cross-memory attach failed ({where}). A peer "
-            "has probably died; the group cannot be used any more. If the kernel refuses the reads, set "
+            "has probably died; the group cannot be used any more. If the kernel refuses the copies, set "
             f"{LOCAL_COPY_ENV}=0 to use the backend's own transport."
         )
     stats[name] = stats.get(name, 0) + 1
@@ -320,11 +381,60 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _start(group: Group, name: str, ok: bool, fields: Sequence[int]) -> Optional[list[list[int]]]:
     """The call's first all-gather of ``[ok, pid, *fields]``; None (every rank) unless every rank is ok."""
-    rows = _all_gather_ints(group, [int(ok and enabled()), os.getpid(), *fields])
+    rows = all_gather_ints(group, [int(ok and enabled()), os.getpid(), *fields])
     if all(row[0] for row in rows):
         return rows
     _log.debug("%r: %s keeps the backend's path (a rank declined)", group, name)
     return None
+
+
+class Copy(NamedTuple):
+    """One rank's copies with one peer in a call: ``runs`` of ``(local address, remote address, bytes)``.
+
+    Attributes:
+        pid: The peer's process id (from the call's first all-gather).
+        runs: The runs, in order.
+        write: False: read the peer's memory into ours; True: write ours into the peer's.
+    """
+
+    pid: int
+    runs: torch.Tensor
+    write: bool
+
+
+def transfer(
+    group: Group,
+    name: str,
+    ok: bool,
+    fields: Sequence[int],
+    copies: Callable[[list[list[int]]], Sequence[Copy]],
+    exchange: Optional[Exchange] = None,
+) -> bool:
+    """Collective: run one call by cross-memory attach; False (on every rank) to take the backend's path.
+
+    Agrees (the first all-gather of ``[ok, pid, *fields]``), lets ``copies``
+    list this rank's copies from the gathered rows (it may run collectives of
+    its own through :func:`all_gather_ints`, and local copies), makes them,
+    and finishes (the all-gather of errors that is also the barrier).
+
+    Raises:
+        PeerLostError: on every rank, when a copy failed on any.
+    """
+    state = _usable(group, exchange)
+    if state is None:
+        return False
+    state.busy = True
+    try:
+        rows = _start(group, name, ok, fields)
+        if rows is None:
+            return False
+        err = 0
+        for copy in copies(rows):
+            err = err or (_write_runs if copy.write else _read_runs)(copy.pid, copy.runs)
+        _finish(group, name, err)
+        return True
+    finally:
+        state.busy = False
 
 
 def _move(
@@ -335,22 +445,8 @@ def _move(
     reads: Callable[[list[list[int]]], list[tuple[int, torch.Tensor]]],
     exchange: Optional[Exchange],
 ) -> bool:
-    """Run one call: agree, let ``reads`` list (pid, runs) per peer from the gathered rows, read, finish."""
-    state = _usable(group, exchange)
-    if state is None:
-        return False
-    state.busy = True
-    try:
-        rows = _start(group, name, ok, fields)
-        if rows is None:
-            return False
-        err = 0
-        for pid, runs in reads(rows):
-            err = err or _read_runs(pid, runs)
-        _finish(group, name, err)
-        return True
-    finally:
-        state.busy = False
+    """:func:`transfer` of a collective whose receivers read every byte: ``reads`` lists (pid, runs) per peer."""
+    return transfer(group, name, ok, fields, lambda rows: [Copy(p, r, False) for p, r in reads(rows)], exchange)
 
 
 def _addr(t: Optional[torch.Tensor]) -> int:
@@ -472,94 +568,3 @@ def all_gather(
         ]
 
     return _move(group, "all_gather", ok, [_addr(inp)], reads, exchange)
-
-
-# -- boxes: a layout change straight from source shards into target shards ------------------------------
-
-
-@dataclass(frozen=True)
-class BoxRead:
-    """One box this rank reads from a peer's source shard straight into its own target.
-
-    Attributes:
-        peer: Group rank holding the source shard.
-        shard: Index of the source shard (into the addresses the peers publish).
-        shape: Shape of that source shard (contiguous, row-major).
-        start: Start of the box inside the source shard.
-        sizes: Size of the box.
-        target: This rank's target tensor (contiguous, same dtype as the source).
-        target_start: Start of the box inside ``target``.
-    """
-
-    peer: int
-    shard: int
-    shape: tuple[int, ...]
-    start: tuple[int, ...]
-    sizes: tuple[int, ...]
-    target: torch.Tensor
-    target_start: tuple[int, ...]
-
-
-def _run_dim(shape: Sequence[int], sizes: Sequence[int]) -> int:
-    """First dim from which the box covers the rest of ``shape`` contiguously (its runs span dims ``k..``)."""
-    k = len(shape) - 1
-    while k > 0 and sizes[k] == shape[k]:
-        k -= 1
-    return k
-
-
-def _run_starts(shape: Sequence[int], start: Sequence[int], sizes: Sequence[int], k: int) -> torch.Tensor:
-    """Element offsets of the box's runs (each spanning dims ``k..``), in row-major order."""
-    strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
-    offs = torch.tensor([sum(start[d] * strides[d] for d in range(k, len(shape)))], dtype=torch.int64, device="cpu")
-    for d in range(k):
-        offs = (
-            offs[:, None] + (start[d] + torch.arange(sizes[d], dtype=torch.int64, device="cpu")) * strides[d]
-        ).reshape(-1)
-    return offs
-
-
-def run_bytes(shape: Sequence[int], target_shape: Sequence[int], sizes: Sequence[int], item: int) -> int:
-    """Bytes of each contiguous run when a box of ``sizes`` is read from ``shape`` into ``target_shape``."""
-    k = max(_run_dim(shape, sizes), _run_dim(target_shape, sizes))
-    return math.prod(sizes[k:]) * item
-
-
-def box_runs(box: BoxRead, base: int) -> torch.Tensor:
-    """The (local address, remote address, bytes) runs that copy ``box`` from a shard at ``base``."""
-    item = box.target.element_size()
-    tshape = tuple(box.target.shape)
-    if not box.sizes or math.prod(box.sizes) == 0:
-        return torch.zeros(0, 3, dtype=torch.int64, device="cpu")
-    k = max(_run_dim(box.shape, box.sizes), _run_dim(tshape, box.sizes))
-    run = math.prod(box.sizes[k:]) * item
-    remote = _run_starts(box.shape, box.start, box.sizes, k) * item + base
-    local = _run_starts(tshape, box.target_start, box.sizes, k) * item + box.target.data_ptr()
-    return torch.stack([local, remote, torch.full_like(local, run)], dim=1)
-
-
-def read_boxes(
-    group: Group, ok: bool, published: Mapping[int, torch.Tensor], n_shards: int, reads: Callable[[], Sequence[BoxRead]]
-) -> bool:
-    """Collective: every rank reads its boxes straight from its peers' source shards; False to decline (every rank).
-
-    Args:
-        group: The group.
-        ok: This rank's verdict: its published shards and targets are
-            contiguous CPU memory of the wire dtype, and its runs are not too small.
-        published: This rank's source shards that peers read, by index.
-        n_shards: Number of source shards in all (the published table's length).
-        reads: Called once every rank agreed: the boxes this rank reads
-            (it may allocate targets then).
-    """
-    fields = [0] * n_shards
-    for j, t in published.items():
-        fields[j] = _addr(t)
-
-    def runs(rows: list[list[int]]) -> list[tuple[int, torch.Tensor]]:
-        per_peer: dict[int, list[torch.Tensor]] = {}
-        for b in reads():
-            per_peer.setdefault(b.peer, []).append(box_runs(b, rows[b.peer][2 + b.shard]))
-        return [(rows[p][1], torch.cat(parts)) for p, parts in per_peer.items()]
-
-    return _move(group, "boxes", ok, fields, runs, None)

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any, Collection, Mapping, NoReturn, Optional, 
 
 import torch
 
-from shardwise._comm import buffers, local_copy
+from shardwise._comm import box_moves, buffers, local_copy
 from shardwise._layout.plan import Piece, Run, TransferPlan, plan, row_major_start, slab_plans
 from shardwise._vocab.metadata import ShardedTensorMetadata
 from shardwise._vocab.shard import Shard
@@ -268,12 +268,12 @@ def _execute(
 ) -> Optional[torch.Tensor]:
     """:func:`execute` without the log line (a round of a plan :func:`redistribute` has logged)."""
     with torch.no_grad():
+        direct = read_direct(pl, sources, targets, group, wire_dtype) if trusted and pl.needs_wire else None
+        if direct is not None:
+            return direct
         copy_local(pl, sources, targets, wire_dtype)
         if not pl.needs_wire:
             return None
-        direct = read_direct(pl, sources, targets, group, wire_dtype) if trusted else None
-        if direct is not None:
-            return direct
         send = pack(pl, sources, wire_dtype, group.device)
         into = receive_view(pl, targets, wire_dtype)
         recv: torch.Tensor = _send_bytes(pl, send, into, group, wire_dtype, trusted=trusted, async_op=False)
@@ -319,50 +319,69 @@ def read_direct(
     group: Group,
     wire_dtype: torch.dtype,
 ) -> Optional[torch.Tensor]:
-    """Move ``pl``'s remote pieces by one copy each, from the peers' source shards into this rank's targets.
+    """Run ``pl`` with one copy per remote piece, straight from the source shards into the target shards.
 
     When every rank of ``group`` is on this host and the backend offers it
-    (:mod:`shardwise._comm.local_copy`), each rank reads the boxes it
-    receives straight from the senders' source shards into its target
-    shards: no packing, no send or receive buffer, no unpacking, whatever
-    the plan's views say. Collective; every rank takes this path or none.
-    The caller guarantees that the ranks' plans fit together (``trusted``).
+    (:mod:`shardwise._comm.box_moves`), each piece that changes rank is
+    copied once by cross-memory attach, read by its receiver or written by
+    its sender (cut between them so the ranks' work is even): no packing,
+    no send or receive buffer, no unpacking, whatever the plan's views say.
+    Collective; every rank takes this path or none. The caller guarantees
+    that the ranks' plans fit together (``trusted``).
+
+    The local pieces are copied too, once the ranks have agreed and while
+    the peers copy: a scatter's root copies its own piece in the time the
+    others get theirs, instead of before they may start.
 
     Returns:
         The adopted target's flat memory when ``pl.recv_whole`` is not in
         ``targets`` (allocated here), else an empty tensor; None when the
-        ranks declined (nothing moved: take the all-to-all).
+        ranks declined (nothing moved, not even the local pieces: take the
+        all-to-all).
     """
+    if not local_copy.usable(group):
+        return None
     item = wire_dtype.itemsize
     sending = {p.src for per in pl.send for p in per}
+    receiving = {p.dst for per in pl.recv for p in per}
     ok = all(_fits_direct(sources.get(j), wire_dtype) for j in sending)
+    ok = ok and all(j in targets or j == pl.recv_whole for j in receiving)
+    ok = ok and all(_fits_direct(targets[j], wire_dtype) for j in receiving if j in targets)
+    boxes: list[box_moves.BoxMove] = []
     nbytes = runs = 0
-    for per in pl.recv:
-        for p in per:
-            ok = ok and (p.dst in targets or p.dst == pl.recv_whole) and len(p.sizes) > 0
-            run = local_copy.run_bytes(pl.src_shapes[p.src], pl.dst_shapes[p.dst], p.sizes, item)
-            nbytes, runs = nbytes + p.numel * item, runs + (p.numel * item // run if run else 0)
-    ok = ok and all(_fits_direct(targets[p.dst], wire_dtype) for per in pl.recv for p in per if p.dst in targets)
-    # Many tiny runs (a narrow column box) cost a syscall entry each: the all-to-all packs them faster.
-    ok = ok and (runs == 0 or nbytes // runs >= local_copy.MIN_RUN_BYTES)
-    adopted: dict[int, torch.Tensor] = {}
-
-    def reads() -> list[local_copy.BoxRead]:
-        out = []
-        for s, per in enumerate(pl.recv):
+    for peer_pieces, incoming in ((pl.recv, True), (pl.send, False)):
+        for peer, per in enumerate(peer_pieces):
             for p in per:
-                target = targets.get(p.dst)
-                if target is None:
-                    if p.dst not in adopted:
-                        adopted[p.dst] = buffers.empty(pl.dst_shapes[p.dst], wire_dtype, torch.device("cpu"))
-                    target = adopted[p.dst]
-                out.append(
-                    local_copy.BoxRead(s, p.src, pl.src_shapes[p.src], p.src_start, p.sizes, target, p.dst_start)
-                )
-        return out
-
-    published = {j: sources[j] for j in sending}
-    if not local_copy.read_boxes(group, ok, published, len(pl.src_owner), reads):
+                ok = ok and len(p.sizes) > 0
+                run = box_moves.run_bytes(pl.src_shapes[p.src], pl.dst_shapes[p.dst], p.sizes, item)
+                nbytes, runs = nbytes + p.numel * item, runs + (p.numel * item // run if run else 0)
+                src_rank, dst_rank = (peer, pl.rank) if incoming else (pl.rank, peer)
+                boxes.append(
+                    box_moves.BoxMove(
+                        src_rank, dst_rank, p.src, pl.src_shapes[p.src], p.src_start,
+                        p.dst, pl.dst_shapes[p.dst], p.dst_start, p.sizes,
+                    )
+                )  # fmt: skip
+    # Many tiny runs (a narrow column box) cost an iovec each: the all-to-all packs them faster.
+    ok = ok and (runs == 0 or nbytes // runs >= box_moves.MIN_RUN_BYTES)
+    # Peers write into this rank's targets, so they exist before the ranks agree (freed if they decline).
+    adopted: dict[int, torch.Tensor] = {}
+    if ok and pl.recv_whole is not None and pl.recv_whole in receiving and pl.recv_whole not in targets:
+        adopted[pl.recv_whole] = buffers.empty(pl.dst_shapes[pl.recv_whole], wire_dtype, torch.device("cpu"))
+    published = {j: sources[j] for j in sending} if ok else {}
+    written = {j: targets[j] if j in targets else adopted[j] for j in receiving} if ok else {}
+    local_bytes = sum(p.numel for p in pl.local) * item
+    if not box_moves.move_boxes(
+        group,
+        ok,
+        published,
+        written,
+        (len(pl.src_owner), len(pl.dst_owner)),
+        boxes,
+        item,
+        local_bytes,
+        lambda: copy_local(pl, sources, targets, wire_dtype),
+    ):
         return None
     if pl.recv_whole is not None and pl.recv_whole in adopted:
         return adopted[pl.recv_whole].view(-1)
@@ -477,7 +496,6 @@ def redistribute(
         # Slabs only bound the buffers; the one-copy path has none, so it moves the whole plan at once.
         with torch.no_grad():
             if read_direct(pl, sources, targets, group, wire_dtype) is not None:
-                copy_local(pl, sources, targets, wire_dtype)
                 return _leaves(targets, dst_md)
     if len(parts) > 1:
         _execute_overlapped(parts, sources, targets, group, wire_dtype, trusted=trusted)

@@ -1,0 +1,299 @@
+"""A layout change between ranks on one host: each box copied once, by whichever of its two ends has the time.
+
+Why: a layout change (``reshard``, ``shard_tensor``, ``gather``) whose ranks
+share a host moves every box that changes rank with one cross-memory-attach
+copy (:mod:`shardwise._comm.local_copy`), straight from the sender's source
+shard into the receiver's target shard. Either end can make that copy: the
+receiver reads the sender's memory (``process_vm_readv``), or the sender
+writes the receiver's (``process_vm_writev``). If receivers only read, a
+scatter's root copies its own piece and then idles while the others read
+theirs, and a gather's root makes every copy while the others wait. So each
+box is cut between its two ends along dim 0: the sender writes its first rows,
+the receiver reads the rest, in proportions that even out the ranks' work.
+
+The cost model, measured on the development machine (2 cores, see
+``docs/performance.md``), in bytes of a local ``memcpy``: the kernel pins the
+remote pages of a copy iovec by iovec and page by page, so
+
+* a byte costs 1 when the remote memory is a huge-page buffer of shardwise's
+  own cache (:func:`shardwise._comm.buffers.on_huge_pages`), and
+  :data:`SMALL_PAGE_COST` when it is in 4 KiB pages (a user's tensor);
+* each remote iovec costs :data:`IOVEC_COST` more (runs that continue one
+  another on a side are one iovec there), so a box whose rows are strided in
+  the source and back to back in the target is cheaper written than read.
+
+The rule, computed alike by both ends of a box from figures every rank
+publishes (:func:`loads`), so that they agree without a message about the box
+itself: each box is first given to the end that copies it cheaper (its
+receiver on a tie). Then, when that end has more work than the other (its
+local copies plus its default share), a fraction ``(W_busy - W_other) /
+(shed_busy + take_other)`` of the box's rows moves to the other end
+(:func:`pushed_rows`), where ``shed`` is what the busy end's boxes of that
+kind cost it and ``take`` what they would cost the other ends. Between two
+ranks that evens their work; for a star (a scatter's root, a gather's root) it
+does so for any number of ranks; an even reshard keeps the default.
+
+Protocol: the call's first all-gather carries every rank's shard addresses
+and page kinds (:func:`shardwise._comm.local_copy.transfer`), a second one
+every rank's loads; then each rank copies its local pieces, reads and writes
+its share, and the closing all-gather (errors and barrier) ends the call.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
+
+import torch
+
+from shardwise._comm import buffers, local_copy
+
+if TYPE_CHECKING:
+    from shardwise._comm.group import Group
+
+__all__ = [
+    "IOVEC_COST",
+    "MIN_RUN_BYTES",
+    "SMALL_PAGE_COST",
+    "BoxMove",
+    "box_runs",
+    "costs",
+    "loads",
+    "move_boxes",
+    "pushed_rows",
+    "remote_runs",
+    "run_bytes",
+]
+
+#: A layout change whose contiguous runs average fewer bytes than this declines (one iovec per run costs more).
+MIN_RUN_BYTES = 256
+#: Relative cost of a byte copied from or into a peer's 4 KiB pages (1: a peer's huge pages, or a local copy).
+SMALL_PAGE_COST = 2
+#: Cost of each iovec on the remote side, in bytes of a local copy: the kernel pins a remote iovec's pages on
+#: its own (about 0.8 us each on the development machine, the time to copy 8 KiB).
+IOVEC_COST = 8 << 10
+
+
+@dataclass(frozen=True)
+class BoxMove:
+    """One box that moves from a source shard on one rank to a target shard on another.
+
+    Both ends describe it alike (from their plans), and both compute the
+    same cut of it (:func:`pushed_rows`).
+
+    Attributes:
+        src_rank: Group rank holding the source shard.
+        dst_rank: Group rank holding the target shard.
+        src: Index of the source shard (into the published source addresses).
+        src_shape: Shape of that source shard (contiguous, row-major).
+        src_start: Start of the box inside the source shard.
+        dst: Index of the target shard (into the published target addresses).
+        dst_shape: Shape of that target shard (contiguous, row-major).
+        dst_start: Start of the box inside the target shard.
+        sizes: Size of the box.
+    """
+
+    src_rank: int
+    dst_rank: int
+    src: int
+    src_shape: tuple[int, ...]
+    src_start: tuple[int, ...]
+    dst: int
+    dst_shape: tuple[int, ...]
+    dst_start: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+    def rows(self, begin: int, end: int) -> BoxMove:
+        """The part of the box made of its dim-0 rows ``[begin, end)``."""
+        return BoxMove(
+            self.src_rank,
+            self.dst_rank,
+            self.src,
+            self.src_shape,
+            (self.src_start[0] + begin, *self.src_start[1:]),
+            self.dst,
+            self.dst_shape,
+            (self.dst_start[0] + begin, *self.dst_start[1:]),
+            (end - begin, *self.sizes[1:]),
+        )
+
+
+def _run_dim(shape: Sequence[int], sizes: Sequence[int]) -> int:
+    """First dim from which the box covers the rest of ``shape`` contiguously (its runs span dims ``k..``)."""
+    k = len(shape) - 1
+    while k > 0 and sizes[k] == shape[k]:
+        k -= 1
+    return k
+
+
+def _run_starts(shape: Sequence[int], start: Sequence[int], sizes: Sequence[int], k: int) -> torch.Tensor:
+    """Element offsets of the box's runs (each spanning dims ``k..``), in row-major order."""
+    strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
+    offs = torch.tensor([sum(start[d] * strides[d] for d in range(k, len(shape)))], dtype=torch.int64, device="cpu")
+    for d in range(k):
+        offs = (
+            offs[:, None] + (start[d] + torch.arange(sizes[d], dtype=torch.int64, device="cpu")) * strides[d]
+        ).reshape(-1)
+    return offs
+
+
+def run_bytes(shape: Sequence[int], target_shape: Sequence[int], sizes: Sequence[int], item: int) -> int:
+    """Bytes of each contiguous run when a box of ``sizes`` is copied from ``shape`` into ``target_shape``."""
+    k = max(_run_dim(shape, sizes), _run_dim(target_shape, sizes))
+    return math.prod(sizes[k:]) * item
+
+
+def box_runs(box: BoxMove, item: int, src_base: int, dst_base: int) -> torch.Tensor:
+    """The ``(target address, source address, bytes)`` runs that copy ``box`` between shards at those bases."""
+    if not box.sizes or box.numel == 0:
+        return torch.zeros(0, 3, dtype=torch.int64, device="cpu")
+    k = max(_run_dim(box.src_shape, box.sizes), _run_dim(box.dst_shape, box.sizes))
+    run = math.prod(box.sizes[k:]) * item
+    src = _run_starts(box.src_shape, box.src_start, box.sizes, k) * item + src_base
+    dst = _run_starts(box.dst_shape, box.dst_start, box.sizes, k) * item + dst_base
+    return torch.stack([dst, src, torch.full_like(dst, run)], dim=1)
+
+
+def remote_runs(box: BoxMove, pushed: bool) -> int:
+    """How many iovecs the remote side of ``box`` takes: its source's when read, its target's when written.
+
+    Runs that continue one another on a side merge into one iovec there
+    (:func:`shardwise._comm.local_copy._stream`), so a side's count is the
+    number of its row-major stretches the box covers.
+    """
+    shape = box.dst_shape if pushed else box.src_shape
+    return math.prod(box.sizes[: _run_dim(shape, box.sizes)]) if box.sizes else 0
+
+
+def costs(box: BoxMove, item: int, src_huge: int, dst_huge: int) -> tuple[int, int]:
+    """What copying ``box`` costs (in bytes of a local copy) read by its receiver, and written by its sender."""
+    nbytes = box.numel * item
+    read = (nbytes if src_huge else nbytes * SMALL_PAGE_COST) + remote_runs(box, False) * IOVEC_COST
+    write = (nbytes if dst_huge else nbytes * SMALL_PAGE_COST) + remote_runs(box, True) * IOVEC_COST
+    return read, write
+
+
+#: What every rank publishes about its share: local copies, its work with each box copied the cheaper way (by
+#: whichever end that is), then for the boxes read by default: what the receiver could hand over, what its
+#: senders would take on; and the same for the boxes written by default.
+_LOCAL, _WORK, _READ_SHED, _READ_TAKE, _WRITE_SHED, _WRITE_TAKE = range(6)
+
+
+def loads(boxes: Sequence[BoxMove], me: int, local_bytes: int, box_costs: Sequence[tuple[int, int]]) -> list[int]:
+    """This rank's row of the loads every rank publishes (indexed by the ``_LOCAL``... constants)."""
+    row = [local_bytes, local_bytes, 0, 0, 0, 0]
+    for b, (read, write) in zip(boxes, box_costs, strict=True):
+        if read <= write:  # read by default
+            if b.dst_rank == me:
+                row[_WORK] += read
+                row[_READ_SHED] += read
+            else:
+                row[_READ_TAKE] += write
+        elif b.src_rank == me:  # written by default
+            row[_WORK] += write
+            row[_WRITE_SHED] += write
+        else:
+            row[_WRITE_TAKE] += read
+    return row
+
+
+def pushed_rows(box: BoxMove, cost: tuple[int, int], rows: Sequence[Sequence[int]]) -> int:
+    """How many of ``box``'s first dim-0 rows its sender writes (its receiver reads the rest).
+
+    Both ends compute it alike, in integers, from the box, its costs
+    (:func:`costs`) and every rank's :func:`loads`.
+    """
+    if not box.sizes:
+        return 0
+    read, write = cost
+    s, r = rows[box.src_rank], rows[box.dst_rank]
+    n = box.sizes[0]
+    if read <= write:
+        # Read by default; the sender writes a share when the receiver has more work than it.
+        spare, room = r[_WORK] - s[_WORK], r[_READ_SHED] + s[_READ_TAKE]
+        return _share(n, spare, room)
+    spare, room = s[_WORK] - r[_WORK], s[_WRITE_SHED] + r[_WRITE_TAKE]
+    return n - _share(n, spare, room)
+
+
+def _share(n: int, spare: int, room: int) -> int:
+    """``n`` times ``spare / room`` clamped to ``[0, n]``, rounded to the nearest integer."""
+    if spare <= 0 or room <= 0:
+        return 0
+    return min(n, (n * spare * 2 + room) // (2 * room))
+
+
+def move_boxes(
+    group: Group,
+    ok: bool,
+    sources: Mapping[int, torch.Tensor],
+    targets: Mapping[int, torch.Tensor],
+    shard_counts: tuple[int, int],
+    boxes: Sequence[BoxMove],
+    item: int,
+    local_bytes: int,
+    meanwhile: Callable[[], None],
+) -> bool:
+    """Collective: every box of ``boxes`` copied once, read by its receiver or written by its sender; False to decline.
+
+    Args:
+        group: The group (every rank on this host; else every rank declines).
+        ok: This rank's verdict: its sources and targets are contiguous CPU
+            memory of one dtype, and its runs are not too small.
+        sources: This rank's source shards that peers read from, by index.
+        targets: This rank's target shards that peers write into, by index.
+        shard_counts: Number of source and of target shards in all (the
+            length of the published address tables).
+        boxes: This rank's incoming and outgoing boxes (``dst_rank`` or
+            ``src_rank`` is this rank).
+        item: Bytes per element of every shard.
+        local_bytes: Bytes this rank copies locally (its pieces that stay).
+        meanwhile: This rank's local copies: run once every rank has agreed,
+            while the peers copy (never when the ranks decline).
+
+    Returns:
+        Whether the boxes moved (the same on every rank).
+
+    Raises:
+        PeerLostError: on every rank, when a copy failed on any.
+    """
+    n_src, n_dst = shard_counts
+    me = group.rank
+    addresses = [0] * (2 * (n_src + n_dst))
+    for j, t in sources.items():
+        addresses[j], addresses[n_src + n_dst + j] = t.data_ptr(), int(buffers.on_huge_pages(t))
+    for j, t in targets.items():
+        addresses[n_src + j], addresses[2 * n_src + n_dst + j] = t.data_ptr(), int(buffers.on_huge_pages(t))
+
+    def src_of(rows: list[list[int]], box: BoxMove) -> tuple[int, int]:
+        row = rows[box.src_rank]
+        return row[2 + box.src], row[2 + n_src + n_dst + box.src]
+
+    def dst_of(rows: list[list[int]], box: BoxMove) -> tuple[int, int]:
+        row = rows[box.dst_rank]
+        return row[2 + n_src + box.dst], row[2 + 2 * n_src + n_dst + box.dst]
+
+    def copies(rows: list[list[int]]) -> list[local_copy.Copy]:
+        box_costs = [costs(b, item, src_of(rows, b)[1], dst_of(rows, b)[1]) for b in boxes]
+        everyone = local_copy.all_gather_ints(group, loads(boxes, me, local_bytes, box_costs))
+        meanwhile()
+        per_peer: dict[tuple[int, bool], list[torch.Tensor]] = {}
+        for b, cost in zip(boxes, box_costs, strict=True):
+            cut = pushed_rows(b, cost, everyone)
+            incoming = b.dst_rank == me
+            part = b.rows(cut, b.sizes[0]) if incoming else b.rows(0, cut)
+            if not part.numel:
+                continue
+            runs = box_runs(part, item, src_of(rows, b)[0], dst_of(rows, b)[0])
+            # Rows are (local, remote, bytes): a write's local side is the source.
+            per_peer.setdefault((b.src_rank if incoming else b.dst_rank, not incoming), []).append(
+                runs if incoming else runs[:, [1, 0, 2]]
+            )
+        return [local_copy.Copy(rows[p][1], torch.cat(parts), write) for (p, write), parts in per_peer.items()]
+
+    return local_copy.transfer(group, "boxes", ok, addresses, copies)
