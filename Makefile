@@ -98,7 +98,10 @@ demo-recsys: install
 #   SparseDistPipeline, over MPI and gloo (pipeline-2ranks.md);
 # - scale.py, one process: metadata work (validation, reshard planning,
 #   checkpoint load planning) from 10 to 10^5 shards against torch 2.13, with a
-#   log-log chart (scale.md, scale.png).
+#   log-log chart (scale.md, scale.png);
+# - cross_memory.py, two processes: what one cross-memory-attach copy costs by
+#   the far side's pages and layout, the figures behind box_moves' cost model
+#   (cross-memory.md).
 # `make bench-core RANKS=4` runs bench.py alone.
 RANKS ?= 2
 BENCH_RESULTS := benchmarks/results
@@ -109,6 +112,7 @@ bench: install
 	$(BIN)/mpiexec -n 4 $(BIN)/python benchmarks/dtensor.py
 	$(BIN)/mpiexec -n 2 $(BIN)/python benchmarks/pipeline.py
 	$(BIN)/python benchmarks/scale.py
+	$(BIN)/python benchmarks/cross_memory.py
 	$(BIN)/python benchmarks/targets.py $(BENCH_RESULTS)/bench-2ranks.md $(BENCH_RESULTS)/bench-4ranks.md \
 		$(BENCH_RESULTS)/dtensor-2ranks.md $(BENCH_RESULTS)/dtensor-4ranks.md \
 		$(BENCH_RESULTS)/pipeline-2ranks.md $(BENCH_RESULTS)/scale.md

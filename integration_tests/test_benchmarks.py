@@ -40,6 +40,8 @@ def test_bench_smoke_writes_table_targets_and_chart(tmp_path: Path) -> None:
                 "embedding row-wise fwd", "embedding_bag sum column-wise fwd"):
         assert f"| {row} |" in text, text
     assert "Targets:" in text and text in out
+    # The bound (every result byte written once, the ranks sharing the memory bus) beside the floor.
+    assert "| mpi x floor | bound x floor |" in text and "the bound: 2.00x floor" in text, text
     assert f"chart: {tmp_path / 'bench-2ranks.png'}" in out, out
     _assert_png(tmp_path / "bench-2ranks.png")
     # The output is a pipe, not a terminal: plain progress lines, no bar redrawn with carriage returns.
@@ -56,6 +58,21 @@ def test_benchmark_smoke(tmp_path: Path, script: str, result: str) -> None:
     out = mpiexec(BENCHMARKS / script, 2, "--smoke", "--out", str(tmp_path))
     text = (tmp_path / result).read_text()
     assert text.count("\n| ") >= 4 and text in out
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="cross-memory attach is Linux only")
+def test_cross_memory_benchmark_times_every_kind_of_copy(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "cross_memory.py"), "--smoke", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    text = (tmp_path / "cross-memory.md").read_text()
+    assert text in done.stdout
+    rows = re.findall(r"^\| (.+?) \| ([0-9.]+) \| ([0-9.]+) \|$", text, flags=re.MULTILINE)
+    assert [what for what, _, _ in rows][:3] == [
+        "local memcpy", "read from huge pages, contiguous", "read from 4 KiB pages, contiguous"
+    ] and len(rows) == 7, text
+    assert all(float(ms) > 0 for _, ms, _ in rows), text
 
 
 def test_dtensor_benchmark_quick_run_writes_every_column_and_target(tmp_path: Path) -> None:

@@ -24,75 +24,111 @@ from shardwise._comm import box_moves, buffers, local_copy
 from rank_helpers import box, run
 
 
-def _box(src_rank: int, dst_rank: int, rows: int, cols: int = 4) -> box_moves.BoxMove:
-    return box_moves.BoxMove(src_rank, dst_rank, 0, (rows, cols), (0, 0), 0, (rows, cols), (0, 0), (rows, cols))
+def _box(src_rank: int, dst_rank: int, rows: int, cols: int = 4, src: int = 0, dst: int = 0) -> box_moves.BoxMove:
+    return box_moves.BoxMove(src_rank, dst_rank, src, (rows, cols), (0, 0), dst, (rows, cols), (0, 0), (rows, cols))
 
 
-def _work(boxes: list[box_moves.BoxMove], local: list[int], cost: list[tuple[int, int]], world: int) -> list[float]:
-    """Each rank's work once every box is cut by :func:`box_moves.pushed_rows` (from the ranks' own views)."""
+def _cuts(
+    boxes: list[box_moves.BoxMove], local: list[int], src_huge: list[int], dst_huge: list[int], world: int
+) -> tuple[list[int], list[box_moves.Loads]]:
+    """Every box's cut as its ends compute it: each rank publishes its shares from its own boxes alone."""
+    n_src, n_dst = len(src_huge), len(dst_huge)
     rows = [
-        box_moves.loads(
-            [b for b in boxes if me in (b.src_rank, b.dst_rank)],
-            me,
-            local[me],
-            [c for b, c in zip(boxes, cost, strict=True) if me in (b.src_rank, b.dst_rank)],
-        )
+        box_moves.shares([b for b in boxes if me in (b.src_rank, b.dst_rank)], me, local[me], 1, n_src, n_dst)
         for me in range(world)
     ]
+    everyone = box_moves.loads(torch.tensor(rows), torch.tensor(src_huge), torch.tensor(dst_huge))
+    return [box_moves.pushed_rows(b, everyone) for b in boxes], everyone
+
+
+def _price(b: box_moves.BoxMove, huge: int, pushed: bool) -> float:
+    """What copying all of ``b`` costs the end that does it (one byte per element)."""
+    per_byte = 1 if huge else box_moves.SMALL_PAGE_COST
+    return b.numel * per_byte + box_moves.remote_runs(b, pushed) * box_moves.IOVEC_COST
+
+
+def _work(boxes: list[box_moves.BoxMove], local: list[int], src_huge: list[int], dst_huge: list[int],
+          world: int) -> list[float]:  # fmt: skip
+    """Each rank's priced work once every box is cut."""
+    cuts, _ = _cuts(boxes, local, src_huge, dst_huge, world)
     work = [float(x) for x in local]
-    for b, (read, write) in zip(boxes, cost, strict=True):
+    for b, pushed in zip(boxes, cuts, strict=True):
         n = b.sizes[0]
-        pushed = box_moves.pushed_rows(b, (read, write), rows)
         assert 0 <= pushed <= n
-        work[b.src_rank] += write * pushed / n
-        work[b.dst_rank] += read * (n - pushed) / n
+        work[b.src_rank] += _price(b, dst_huge[b.dst], True) * pushed / n
+        work[b.dst_rank] += _price(b, src_huge[b.src], False) * (n - pushed) / n
     return work
 
 
 @settings(max_examples=200, deadline=None)
 @given(
-    n=st.integers(1, 64),
-    local=st.tuples(st.integers(0, 10**6), st.integers(0, 10**6)),
-    read=st.integers(1, 10**6),
-    write=st.integers(1, 10**6),
+    rows=st.integers(1, 64),
+    cols=st.integers(1, 16),
+    local=st.tuples(st.integers(0, 2000), st.integers(0, 2000)),
+    huge=st.tuples(st.integers(0, 1), st.integers(0, 1)),
+    strided=st.sampled_from(["neither", "source", "target"]),
 )
-def test_a_pair_is_cut_as_evenly_as_any_cut_can(n: int, local: tuple[int, int], read: int, write: int) -> None:
-    b = _box(0, 1, n)
-    got = max(_work([b], list(local), [(read, write)], 2))
-    # Every cut at a row: none does better than the rule by more than one row's cost.
-    best = min(max(local[0] + write * k / n, local[1] + read * (n - k) / n) for k in range(n + 1))
-    assert got <= best + max(read, write) / n + 1e-6
+def test_a_pair_is_cut_as_evenly_as_any_cut_can(
+    rows: int, cols: int, local: tuple[int, int], huge: tuple[int, int], strided: str
+) -> None:
+    box_moves.IOVEC_COST = 3  # comparable to a row's bytes here, so strided sides matter
+    try:
+        wide = 2 * cols
+        src_shape, dst_shape = (rows, wide if strided == "source" else cols), (rows, wide if strided == "target" else cols)
+        b = box_moves.BoxMove(0, 1, 0, src_shape, (0, 0), 0, dst_shape, (0, 0), (rows, cols))
+        got = max(_work([b], list(local), [huge[0]], [huge[1]], 2))
+        write, read = _price(b, huge[1], True), _price(b, huge[0], False)
+        # Every cut at a row: none does better than the rule by more than one row's cost.
+        best = min(max(local[0] + write * k / rows, local[1] + read * (rows - k) / rows) for k in range(rows + 1))
+        assert got <= best + max(read, write) / rows + 1e-6
+    finally:
+        box_moves.IOVEC_COST = 8 << 10
 
 
 @settings(max_examples=100, deadline=None)
 @given(
     leaves=st.integers(1, 6),
     rows=st.integers(64, 512),
-    root_local=st.integers(0, 10**6),
-    read=st.integers(1, 10**5),
-    write=st.integers(1, 10**5),
+    root_local=st.integers(0, 10**5),
+    root_huge=st.integers(0, 1),
+    leaf_huge=st.integers(0, 1),
     outward=st.booleans(),
 )
 def test_a_star_is_evened_for_any_number_of_ranks(
-    leaves: int, rows: int, root_local: int, read: int, write: int, outward: bool
+    leaves: int, rows: int, root_local: int, root_huge: int, leaf_huge: int, outward: bool
 ) -> None:
-    # A scatter (the root sends a box to each leaf) or a gather (each leaf sends one to the root).
-    boxes = [_box(0, leaf, rows) if outward else _box(leaf, 0, rows) for leaf in range(1, leaves + 1)]
-    work = _work(boxes, [root_local] + [0] * leaves, [(read * rows, write * rows)] * leaves, leaves + 1)
-    # The root's cost per row it copies, and a leaf's: the sender writes, the receiver reads.
-    root_row, leaf_row = (write, read) if outward else (read, write)
-    # By symmetry the best cut gives every leaf the same k rows (the rest copied by the root).
-    best = min(max(root_local + leaves * root_row * (rows - k), leaf_row * k) for k in range(rows + 1))
-    assert max(work) <= best + leaves * max(read, write) + 1e-6
+    # A scatter (the root's source shard 0 feeds each leaf's target shard) or a gather (each leaf's source shard
+    # feeds the root's target shard 0); no iovec costs, so only bytes and page sizes matter.
+    box_moves.IOVEC_COST = 0
+    try:
+        if outward:
+            boxes = [_box(0, leaf, rows, src=0, dst=leaf - 1) for leaf in range(1, leaves + 1)]
+            src_huge, dst_huge = [root_huge], [leaf_huge] * leaves
+        else:
+            boxes = [_box(leaf, 0, rows, src=leaf - 1, dst=0) for leaf in range(1, leaves + 1)]
+            src_huge, dst_huge = [leaf_huge] * leaves, [root_huge]
+        work = _work(boxes, [root_local] + [0] * leaves, src_huge, dst_huge, leaves + 1)
+        # Per row (4 bytes): a leaf's far side is the root's shard, the root's far side a leaf's.
+        cost_leaf = (1 if root_huge else box_moves.SMALL_PAGE_COST) * 4
+        cost_root = (1 if leaf_huge else box_moves.SMALL_PAGE_COST) * 4
+        # By symmetry the best cut gives every leaf the same k rows (the rest copied by the root).
+        best = min(max(root_local + leaves * cost_root * (rows - k), cost_leaf * k) for k in range(rows + 1))
+        assert max(work) <= best + leaves * max(cost_leaf, cost_root) + 1e-6
+    finally:
+        box_moves.IOVEC_COST = 8 << 10
 
 
-def test_a_tie_is_read_and_an_even_exchange_keeps_each_box_with_its_cheaper_end() -> None:
-    # Two ranks swapping equal boxes: loads are equal, so nothing is cut.
-    boxes = [_box(0, 1, 8), _box(1, 0, 8)]
-    rows = [box_moves.loads(boxes, me, 100, [(50, 50), (50, 50)]) for me in (0, 1)]
-    assert [box_moves.pushed_rows(b, (50, 50), rows) for b in boxes] == [0, 0]  # both read
-    rows = [box_moves.loads(boxes, me, 100, [(90, 50), (90, 50)]) for me in (0, 1)]
-    assert [box_moves.pushed_rows(b, (90, 50), rows) for b in boxes] == [8, 8]  # both written
+def test_an_even_exchange_keeps_each_box_with_the_end_whose_far_side_is_contiguous() -> None:
+    # Two ranks swapping equal boxes: loads are equal, so nothing is cut. A box contiguous on both sides is
+    # read; one strided in its source (a column block of a wider shard) is written.
+    plain = [_box(0, 1, 8), _box(1, 0, 8)]
+    cuts, _ = _cuts(plain, [100, 100], [1], [1], 2)
+    assert cuts == [0, 0]
+    strided = [
+        box_moves.BoxMove(s, 1 - s, 0, (8, 8), (0, 0), 0, (8, 4), (0, 0), (8, 4)) for s in (0, 1)
+    ]  # fmt: skip
+    cuts, _ = _cuts(strided, [100, 100], [1], [1], 2)
+    assert cuts == [8, 8]
 
 
 @settings(max_examples=200, deadline=None)
@@ -111,9 +147,7 @@ def test_remote_runs_count_the_iovecs_the_copy_takes(data: Any, dims: int) -> No
     src_iovecs = local_copy._segments(runs[:, 1], runs[:, 2]).shape[0]
     assert box_moves.remote_runs(b, pushed=False) == src_iovecs
     assert box_moves.remote_runs(b, pushed=True) == dst_iovecs
-    read, write = box_moves.costs(b, 4, 1, 0)
-    assert read == b.numel * 4 + src_iovecs * box_moves.IOVEC_COST
-    assert write == b.numel * 4 * box_moves.SMALL_PAGE_COST + dst_iovecs * box_moves.IOVEC_COST
+    assert box_moves.read_by_default(b) == (src_iovecs <= dst_iovecs)
 
 
 def test_huge_page_buffers_are_known_while_in_use() -> None:
@@ -206,3 +240,4 @@ def test_a_scatters_root_and_a_gathers_senders_write_part_of_the_boxes() -> None
     # Each rank both read and wrote: the roots handed part of the copying over.
     assert all(res["read"] > 0 and res["write"] > 0 for res in results), results
     assert math.prod(res["boxes"] for res in results) > 0
+

@@ -148,24 +148,31 @@ def test_a_rank_whose_kernel_refuses_sends_every_rank_down_the_backends_path() -
         assert res == {"used": False, "values": [0, 1]}
 
 
-def _read_fails_on_rank_0() -> tuple[str, str]:
+def _copy_fails_on_rank_0(kind: str) -> tuple[str, str]:
     g = shardwise.get_default_group()
-    g.all_gather(torch.zeros(local_copy.MIN_BYTES))  # settle the verdict: cross-memory attach in use
-    real = local_copy._read_runs
+    if kind == "read":  # an all-gather: every rank reads
+        call = lambda: g.all_gather(torch.zeros(local_copy.MIN_BYTES))  # noqa: E731
+    else:  # a 4 MiB scatter: its root writes part of the other rank's shard
+        spec = shardwise.ChunkShardingSpec(dim=0, placements=["rank:0/cpu", "rank:1/cpu"])
+        call = lambda: shardwise.shard_tensor(torch.randn(1024, 1024), spec, src_rank=0, process_group=g)  # noqa: E731
+    call()  # settle the verdict: cross-memory attach in use
+    name = f"_{kind}_runs"
+    real = getattr(local_copy, name)
     if g.rank == 0:
-        local_copy._read_runs = lambda pid, runs: errno.ESRCH  # type: ignore[assignment]
+        setattr(local_copy, name, lambda pid, runs: errno.ESRCH)
     try:
-        g.all_gather(torch.zeros(local_copy.MIN_BYTES))
+        call()
     except Exception as exc:  # noqa: BLE001 - every rank reports its error
         return type(exc).__name__, str(exc)
     finally:
-        local_copy._read_runs = real
+        setattr(local_copy, name, real)
     return "ok", ""
 
 
-def test_a_failed_read_raises_on_every_rank() -> None:
-    for kind, message in run(_read_fails_on_rank_0, 2):
-        assert kind == "PeerLostError"
+@pytest.mark.parametrize("kind", ["read", "write"])
+def test_a_failed_copy_raises_on_every_rank(kind: str) -> None:
+    for err, message in run(_copy_fails_on_rank_0, 2, kind):
+        assert err == "PeerLostError", message
         assert "rank 0: ESRCH" in message and local_copy.LOCAL_COPY_ENV in message
 
 

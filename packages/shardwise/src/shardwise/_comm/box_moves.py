@@ -22,28 +22,35 @@ remote pages of a copy iovec by iovec and page by page, so
   another on a side are one iovec there), so a box whose rows are strided in
   the source and back to back in the target is cheaper written than read.
 
-The rule, computed alike by both ends of a box from figures every rank
-publishes (:func:`loads`), so that they agree without a message about the box
-itself: each box is first given to the end that copies it cheaper (its
-receiver on a tie). Then, when that end has more work than the other (its
-local copies plus its default share), a fraction ``(W_busy - W_other) /
-(shed_busy + take_other)`` of the box's rows moves to the other end
-(:func:`pushed_rows`), where ``shed`` is what the busy end's boxes of that
-kind cost it and ``take`` what they would cost the other ends. Between two
-ranks that evens their work; for a star (a scatter's root, a gather's root) it
-does so for any number of ranks; an even reshard keeps the default.
+The rule, computed alike by both ends of a box from what every rank
+publishes in the call's one all-gather (so that they agree without a message
+about the box itself, and without a round of their own):
 
-Protocol: the call's first all-gather carries every rank's shard addresses
-and page kinds (:func:`shardwise._comm.local_copy.transfer`), a second one
-every rank's loads; then each rank copies its local pieces, reads and writes
-its share, and the closing all-gather (errors and barrier) ends the call.
+* each box is first given to the end whose far side takes fewer iovecs (its
+  receiver on a tie; :func:`read_by_default`);
+* every rank publishes its share of the work, by kind and by far-side shard
+  (:func:`shares`), beside its shards' page sizes, so every rank can price
+  every rank's work (:func:`loads`);
+* when a box's default end has more work than the other end (local copies
+  included), a fraction ``(W_busy - W_other) / (shed_busy + take_other)`` of
+  the box's rows moves to the other end (:func:`pushed_rows`), where ``shed``
+  is what the busy end's boxes of that kind cost it and ``take`` what they
+  would cost the other ends. Between two ranks that evens their work; for a
+  star (a scatter's root, a gather's root) it does so for any number of
+  ranks; an even reshard keeps the default.
+
+Protocol: the call's first all-gather (:func:`shardwise._comm.local_copy.transfer`)
+carries every rank's shard addresses, page sizes and shares; then each rank
+copies its local pieces, reads and writes its share, and the closing
+all-gather (errors and barrier) ends the call: two rounds, as a plain read
+takes.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, NamedTuple, Sequence
 
 import torch
 
@@ -58,12 +65,14 @@ __all__ = [
     "SMALL_PAGE_COST",
     "BoxMove",
     "box_runs",
-    "costs",
+    "Loads",
     "loads",
     "move_boxes",
     "pushed_rows",
+    "read_by_default",
     "remote_runs",
     "run_bytes",
+    "shares",
 ]
 
 #: A layout change whose contiguous runs average fewer bytes than this declines (one iovec per run costs more).
@@ -170,55 +179,114 @@ def remote_runs(box: BoxMove, pushed: bool) -> int:
     return math.prod(box.sizes[: _run_dim(shape, box.sizes)]) if box.sizes else 0
 
 
-def costs(box: BoxMove, item: int, src_huge: int, dst_huge: int) -> tuple[int, int]:
-    """What copying ``box`` costs (in bytes of a local copy) read by its receiver, and written by its sender."""
-    nbytes = box.numel * item
-    read = (nbytes if src_huge else nbytes * SMALL_PAGE_COST) + remote_runs(box, False) * IOVEC_COST
-    write = (nbytes if dst_huge else nbytes * SMALL_PAGE_COST) + remote_runs(box, True) * IOVEC_COST
-    return read, write
+def read_by_default(box: BoxMove) -> bool:
+    """Whether ``box`` is first given to its receiver (read), rather than its sender (written).
+
+    The end whose far side takes fewer iovecs (a tie goes to the receiver).
+    Page sizes do not enter: the ranks must agree on this before they know
+    each other's memory.
+    """
+    return remote_runs(box, False) <= remote_runs(box, True)
 
 
-#: What every rank publishes about its share: local copies, its work with each box copied the cheaper way (by
-#: whichever end that is), then for the boxes read by default: what the receiver could hand over, what its
-#: senders would take on; and the same for the boxes written by default.
-_LOCAL, _WORK, _READ_SHED, _READ_TAKE, _WRITE_SHED, _WRITE_TAKE = range(6)
+#: Scalars at the head of a rank's published shares: its local copy bytes, then the far-side iovecs of each
+#: kind of work (see :func:`shares`); then byte vectors by far-side shard.
+_LOCAL, _IOV_READ_SHED, _IOV_READ_TAKE, _IOV_WRITE_SHED, _IOV_WRITE_TAKE = range(5)
+_SCALARS = 5
 
 
-def loads(boxes: Sequence[BoxMove], me: int, local_bytes: int, box_costs: Sequence[tuple[int, int]]) -> list[int]:
-    """This rank's row of the loads every rank publishes (indexed by the ``_LOCAL``... constants)."""
-    row = [local_bytes, local_bytes, 0, 0, 0, 0]
-    for b, (read, write) in zip(boxes, box_costs, strict=True):
-        if read <= write:  # read by default
+def shares(boxes: Sequence[BoxMove], me: int, local_bytes: int, item: int, n_src: int, n_dst: int) -> list[int]:
+    """What this rank publishes about its work, before anyone knows the others' memory (:func:`loads` prices it).
+
+    Four kinds of work, by the box's default end (:func:`read_by_default`):
+    reads this rank does by default (it could hand them over: *read shed*),
+    writes its receivers would hand it (*read take*), writes it does by
+    default (*write shed*), reads its senders would hand it (*write take*).
+    Each is published as its far-side iovecs and its bytes by the far-side
+    shard (a source shard for reads, a target shard for writes), whose page
+    size its owner publishes beside.
+
+    Returns:
+        ``[local, 4 iovec counts, read shed and write take bytes by source
+        shard, read take and write shed bytes by target shard]``.
+    """
+    head = [local_bytes, 0, 0, 0, 0]
+    read_shed, write_take = [0] * n_src, [0] * n_src
+    read_take, write_shed = [0] * n_dst, [0] * n_dst
+    for b in boxes:
+        nbytes = b.numel * item
+        if read_by_default(b):
             if b.dst_rank == me:
-                row[_WORK] += read
-                row[_READ_SHED] += read
+                head[_IOV_READ_SHED] += remote_runs(b, False)
+                read_shed[b.src] += nbytes
             else:
-                row[_READ_TAKE] += write
-        elif b.src_rank == me:  # written by default
-            row[_WORK] += write
-            row[_WRITE_SHED] += write
+                head[_IOV_READ_TAKE] += remote_runs(b, True)
+                read_take[b.dst] += nbytes
+        elif b.src_rank == me:
+            head[_IOV_WRITE_SHED] += remote_runs(b, True)
+            write_shed[b.dst] += nbytes
         else:
-            row[_WRITE_TAKE] += read
-    return row
+            head[_IOV_WRITE_TAKE] += remote_runs(b, False)
+            write_take[b.src] += nbytes
+    return head + read_shed + write_take + read_take + write_shed
 
 
-def pushed_rows(box: BoxMove, cost: tuple[int, int], rows: Sequence[Sequence[int]]) -> int:
+class Loads(NamedTuple):
+    """One rank's work priced (in bytes of a local copy), from its :func:`shares` and the shards' page sizes.
+
+    Attributes:
+        work: Local copies plus every box it copies by default.
+        read_shed: The reads it does by default.
+        read_take: The writes its receivers would hand it.
+        write_shed: The writes it does by default.
+        write_take: The reads its senders would hand it.
+    """
+
+    work: int
+    read_shed: int
+    read_take: int
+    write_shed: int
+    write_take: int
+
+
+def loads(rows: torch.Tensor, src_huge: torch.Tensor, dst_huge: torch.Tensor) -> list[Loads]:
+    """Every rank's :class:`Loads` from the published :func:`shares` (one row per rank) and page sizes.
+
+    Args:
+        rows: ``(ranks, len(shares))`` int64.
+        src_huge: Whether each source shard is on huge pages (0/1, by shard index).
+        dst_huge: The same for each target shard.
+    """
+    n_src, n_dst = src_huge.numel(), dst_huge.numel()
+
+    def priced(at: int, n: int, huge: torch.Tensor, iov: int) -> torch.Tensor:
+        per_byte = torch.where(huge > 0, 1, SMALL_PAGE_COST).to(torch.int64)
+        return (rows[:, at : at + n] * per_byte).sum(1) + rows[:, iov] * IOVEC_COST
+
+    at = _SCALARS
+    read_shed = priced(at, n_src, src_huge, _IOV_READ_SHED)
+    write_take = priced(at + n_src, n_src, src_huge, _IOV_WRITE_TAKE)
+    read_take = priced(at + 2 * n_src, n_dst, dst_huge, _IOV_READ_TAKE)
+    write_shed = priced(at + 2 * n_src + n_dst, n_dst, dst_huge, _IOV_WRITE_SHED)
+    work = rows[:, _LOCAL] + read_shed + write_shed
+    table = torch.stack([work, read_shed, read_take, write_shed, write_take], dim=1).tolist()
+    return [Loads(*r) for r in table]
+
+
+def pushed_rows(box: BoxMove, everyone: Sequence[Loads]) -> int:
     """How many of ``box``'s first dim-0 rows its sender writes (its receiver reads the rest).
 
-    Both ends compute it alike, in integers, from the box, its costs
-    (:func:`costs`) and every rank's :func:`loads`.
+    Both ends compute it alike, in integers, from the box and every rank's
+    :func:`loads`: the box's default end hands the other a share of its rows
+    when it has more work, the share that would even the two.
     """
     if not box.sizes:
         return 0
-    read, write = cost
-    s, r = rows[box.src_rank], rows[box.dst_rank]
+    s, r = everyone[box.src_rank], everyone[box.dst_rank]
     n = box.sizes[0]
-    if read <= write:
-        # Read by default; the sender writes a share when the receiver has more work than it.
-        spare, room = r[_WORK] - s[_WORK], r[_READ_SHED] + s[_READ_TAKE]
-        return _share(n, spare, room)
-    spare, room = s[_WORK] - r[_WORK], s[_WRITE_SHED] + r[_WRITE_TAKE]
-    return n - _share(n, spare, room)
+    if read_by_default(box):
+        return _share(n, r.work - s.work, r.read_shed + s.read_take)
+    return n - _share(n, s.work - r.work, s.write_shed + r.write_take)
 
 
 def _share(n: int, spare: int, room: int) -> int:
@@ -264,36 +332,32 @@ def move_boxes(
     """
     n_src, n_dst = shard_counts
     me = group.rank
-    addresses = [0] * (2 * (n_src + n_dst))
+    fields = [0] * (2 * (n_src + n_dst))
     for j, t in sources.items():
-        addresses[j], addresses[n_src + n_dst + j] = t.data_ptr(), int(buffers.on_huge_pages(t))
+        fields[j], fields[n_src + n_dst + j] = t.data_ptr(), int(buffers.on_huge_pages(t))
     for j, t in targets.items():
-        addresses[n_src + j], addresses[2 * n_src + n_dst + j] = t.data_ptr(), int(buffers.on_huge_pages(t))
-
-    def src_of(rows: list[list[int]], box: BoxMove) -> tuple[int, int]:
-        row = rows[box.src_rank]
-        return row[2 + box.src], row[2 + n_src + n_dst + box.src]
-
-    def dst_of(rows: list[list[int]], box: BoxMove) -> tuple[int, int]:
-        row = rows[box.dst_rank]
-        return row[2 + n_src + box.dst], row[2 + 2 * n_src + n_dst + box.dst]
+        fields[n_src + j], fields[2 * n_src + n_dst + j] = t.data_ptr(), int(buffers.on_huge_pages(t))
+    # The shares ride on the call's first all-gather: one round fewer, which gloo's latency makes worth it.
+    fields += shares(boxes, me, local_bytes, item, n_src, n_dst)
 
     def copies(rows: list[list[int]]) -> list[local_copy.Copy]:
-        box_costs = [costs(b, item, src_of(rows, b)[1], dst_of(rows, b)[1]) for b in boxes]
-        everyone = local_copy.all_gather_ints(group, loads(boxes, me, local_bytes, box_costs))
+        table = torch.tensor(rows, dtype=torch.int64, device="cpu")[:, 2:]
+        addr_src, addr_dst = table[:, :n_src].sum(0).tolist(), table[:, n_src : n_src + n_dst].sum(0).tolist()
+        huge = table[:, n_src + n_dst : 2 * (n_src + n_dst)].sum(0)
+        everyone = loads(table[:, 2 * (n_src + n_dst) :], huge[:n_src], huge[n_src:])
         meanwhile()
         per_peer: dict[tuple[int, bool], list[torch.Tensor]] = {}
-        for b, cost in zip(boxes, box_costs, strict=True):
-            cut = pushed_rows(b, cost, everyone)
+        for b in boxes:
+            cut = pushed_rows(b, everyone)
             incoming = b.dst_rank == me
             part = b.rows(cut, b.sizes[0]) if incoming else b.rows(0, cut)
             if not part.numel:
                 continue
-            runs = box_runs(part, item, src_of(rows, b)[0], dst_of(rows, b)[0])
+            runs = box_runs(part, item, addr_src[b.src], addr_dst[b.dst])
             # Rows are (local, remote, bytes): a write's local side is the source.
             per_peer.setdefault((b.src_rank if incoming else b.dst_rank, not incoming), []).append(
                 runs if incoming else runs[:, [1, 0, 2]]
             )
         return [local_copy.Copy(rows[p][1], torch.cat(parts), write) for (p, write), parts in per_peer.items()]
 
-    return local_copy.transfer(group, "boxes", ok, addresses, copies)
+    return local_copy.transfer(group, "boxes", ok, fields, copies)
