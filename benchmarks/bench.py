@@ -169,7 +169,7 @@ def cma_bandwidth(comm: Any, nbytes: int, repeats: int) -> float:
     dst = buffers.empty((nbytes,), torch.uint8, torch.device("cpu")).fill_(0)
     rank, size = comm.Get_rank(), comm.Get_size()
     peer = comm.allgather((os.getpid(), src.data_ptr()))[(rank + 1) % size]
-    runs = local_copy._runs([dst.data_ptr()], [peer[1]], [nbytes])
+    runs = local_copy.runs([dst.data_ptr()], [peer[1]], [nbytes])
     times = []
     for _ in range(max(repeats, 5)):
         comm.Barrier()

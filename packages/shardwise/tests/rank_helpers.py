@@ -8,7 +8,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 import shardwise
-from shardwise._comm import local_copy
+from shardwise._comm import local_collectives, local_copy
 from shardwise.errors import PeerError
 from shardwise.sharded_tensor import Shard, ShardMetadata, ShardedTensor, TensorProperties
 from shardwise.sharding_spec import ShardingSpec
@@ -105,7 +105,7 @@ def group_without_local_copy(g: Any) -> Any:
         sub = g.new_group(list(range(g.size)))
         assert sub is not None
         sub.barrier()
-        sub.all_gather(torch.zeros(local_copy.MIN_BYTES))
+        sub.all_gather(torch.zeros(local_collectives.MIN_BYTES))
     finally:
         del os.environ[local_copy.LOCAL_COPY_ENV]
     return sub

@@ -20,12 +20,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import shardwise
-from shardwise._comm import box_moves, local_copy
+from shardwise._comm import box_moves, local_collectives, local_copy
 from shardwise._comm.group import Group
 
 from rank_helpers import group_without_local_copy, run
 
-ROW = 1024  # float32 elements per row: 4 KiB, so a few rows pass local_copy.MIN_BYTES
+ROW = 1024  # float32 elements per row: 4 KiB, so a few rows pass local_collectives.MIN_BYTES
 
 
 def _moved() -> int:
@@ -116,7 +116,7 @@ def _groups_of(g: Group) -> dict[str, bool]:
         sub = next(s for s in made if s is not None)
         before = _moved()
         for seed in range(2):
-            gathered = sub.all_gather(torch.full((local_copy.MIN_BYTES,), float(sub.rank)))
+            gathered = sub.all_gather(torch.full((local_collectives.MIN_BYTES,), float(sub.rank)))
             assert [int(t[0]) for t in gathered] == list(range(sub.size))
             assert len(_collectives(sub, seed)) > 0
         used[name] = _moved() > before
@@ -137,7 +137,7 @@ def _refused_on_rank_1() -> dict[str, Any]:
         sub = g.new_group(list(range(g.size)))
         assert sub is not None
         before = _moved()
-        gathered = sub.all_gather(torch.full((local_copy.MIN_BYTES,), float(g.rank)))
+        gathered = sub.all_gather(torch.full((local_collectives.MIN_BYTES,), float(g.rank)))
         return {"used": _moved() > before, "values": [int(t[0]) for t in gathered]}
     finally:
         local_copy._probed = saved
@@ -151,7 +151,7 @@ def test_a_rank_whose_kernel_refuses_sends_every_rank_down_the_backends_path() -
 def _copy_fails_on_rank_0(kind: str) -> tuple[str, str]:
     g = shardwise.get_default_group()
     if kind == "read":  # an all-gather: every rank reads
-        call = lambda: g.all_gather(torch.zeros(local_copy.MIN_BYTES))  # noqa: E731
+        call = lambda: g.all_gather(torch.zeros(local_collectives.MIN_BYTES))  # noqa: E731
     else:  # a 4 MiB scatter: its root writes part of the other rank's shard
         spec = shardwise.ChunkShardingSpec(dim=0, placements=["rank:0/cpu", "rank:1/cpu"])
         call = lambda: shardwise.shard_tensor(torch.randn(1024, 1024), spec, src_rank=0, process_group=g)  # noqa: E731

@@ -47,10 +47,10 @@ from shardwise._comm.agreement import AGREED_ERRORS
 from shardwise._comm.buffers import empty, empty_like, live_bytes, peak_new_bytes, reset_peak, zeros
 from shardwise._comm.default_group import DEFAULT_TIMEOUT, resolve_group
 from shardwise._comm.group import Group
-from shardwise._comm.local_copy import all_gather as local_all_gather
-from shardwise._comm.local_copy import all_to_all as local_all_to_all
-from shardwise._comm.local_copy import gather as local_gather
-from shardwise._comm.local_copy import scatter as local_scatter
+from shardwise._comm.local_collectives import all_gather as local_all_gather
+from shardwise._comm.local_collectives import all_to_all as local_all_to_all
+from shardwise._comm.local_collectives import gather as local_gather
+from shardwise._comm.local_collectives import scatter as local_scatter
 from shardwise._comm.work import Work
 from shardwise._vocab.wire import BITWISE_REDUCE_OPS, REDUCE_OPS, normalize_reduce_op
 

@@ -20,12 +20,13 @@ across ranks so all take the same path), ``SHARDWISE_LOCAL_COPY`` is not
 ``0``, and on each call every rank's tensors are contiguous CPU memory (the
 call's first all-gather carries each rank's verdict; any "no" sends every rank
 down the backend's own path). Ranks on several hosts always keep the
-backend's path. Collectives whose sizes every rank knows and that move less
-than :data:`MIN_BYTES` keep it too (two small all-gathers cost more there).
+backend's path. The users: the group's collectives
+(:mod:`shardwise._comm.local_collectives`) and layout changes
+(:mod:`shardwise._comm.box_moves`).
 
 Protocol of one call (:func:`transfer`): one small all-gather of ``[ok, pid,
-addresses...]``; each rank reads its pieces from its peers (the collectives
-here), or reads some and writes others into its peers' memory (layout
+addresses...]``; each rank reads its pieces from its peers (the
+collectives), or reads some and writes others into its peers' memory (layout
 changes, :mod:`shardwise._comm.box_moves`), by iovec lists of up to
 ``IOV_MAX`` entries a side, runs that continue one another merged into one
 iovec, partial copies resumed; then one all-gather of each rank's error
@@ -59,23 +60,17 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LOCAL_COPY_ENV",
-    "MIN_BYTES",
     "Copy",
-    "all_gather",
     "all_gather_ints",
-    "all_to_all",
     "enabled",
-    "gather",
     "probe",
-    "scatter",
+    "runs",
     "stats",
     "transfer",
     "usable",
 ]
 
 LOCAL_COPY_ENV = "SHARDWISE_LOCAL_COPY"
-#: Collectives of known size below this many bytes in all keep the backend's path.
-MIN_BYTES = 64 * 1024
 #: Most iovecs one ``process_vm_readv`` takes (Linux's ``UIO_MAXIOV``).
 _IOV_MAX = 1024
 
@@ -155,13 +150,13 @@ def probe() -> Optional[str]:
                     torch.arange(4, dtype=torch.int64, device="cpu"),
                     torch.zeros(4, dtype=torch.int64, device="cpu"),
                 )
-                err = _read_runs(os.getpid(), _runs([dst.data_ptr()], [src.data_ptr()], [32]))
+                err = _read_runs(os.getpid(), runs([dst.data_ptr()], [src.data_ptr()], [32]))
                 ok = err == 0 and torch.equal(src, dst)
                 _probed = "" if ok else f"process_vm_readv failed: {_strerror(err)}"
                 if ok:
                     # Layout changes also write into peers (box_moves): a seccomp filter may allow one call only.
                     back = torch.zeros(4, dtype=torch.int64, device="cpu")
-                    err = _write_runs(os.getpid(), _runs([src.data_ptr()], [back.data_ptr()], [32]))
+                    err = _write_runs(os.getpid(), runs([src.data_ptr()], [back.data_ptr()], [32]))
                     ok = err == 0 and torch.equal(src, back)
                     _probed = "" if ok else f"process_vm_writev failed: {_strerror(err)}"
             except (OSError, AttributeError) as exc:  # no libc, or a libc without the symbol
@@ -176,7 +171,7 @@ def _strerror(err: int) -> str:
 # -- reading ---------------------------------------------------------------------
 
 
-def _runs(local: Sequence[int], remote: Sequence[int], nbytes: Sequence[int]) -> torch.Tensor:
+def runs(local: Sequence[int], remote: Sequence[int], nbytes: Sequence[int]) -> torch.Tensor:
     """An ``(n, 3)`` int64 table of (local address, remote address, bytes), dropping empty runs."""
     table = torch.tensor([list(local), list(remote), list(nbytes)], dtype=torch.int64, device="cpu").t()
     return table[table[:, 2] > 0] if table.numel() else table.reshape(0, 3)
@@ -333,7 +328,7 @@ def _agree_verdict(group: Group) -> bool:
         # Read the next rank's token: proves the kernel lets this process read a peer's memory.
         peer = (group.rank + 1) % group.size
         got = torch.zeros(3, dtype=torch.int64, device="cpu")
-        err = _read_runs(rows[peer][1], _runs([got.data_ptr()], [rows[peer][2]], [24]))
+        err = _read_runs(rows[peer][1], runs([got.data_ptr()], [rows[peer][2]], [24]))
         if err == 0 and got.tolist() != [rows[peer][1], peer, 0x5A5A5A5A]:
             err = errno_module.EIO
         if err:
@@ -363,20 +358,6 @@ def _finish(group: Group, name: str, err: int) -> None:
         )
     stats[name] = stats.get(name, 0) + 1
     _log.debug("%r: %s moved by cross-memory attach", group, name)
-
-
-def _plain(*tensors: Optional[torch.Tensor]) -> bool:
-    """Whether every tensor is contiguous, dense CPU memory (None counts as fine)."""
-    return all(
-        t is None or (t.device.type == "cpu" and t.layout == torch.strided and t.is_contiguous()) for t in tensors
-    )
-
-
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if not a.numel() or not b.numel():
-        return False
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
 def _start(group: Group, name: str, ok: bool, fields: Sequence[int]) -> Optional[list[list[int]]]:
@@ -435,136 +416,3 @@ def transfer(
         return True
     finally:
         state.busy = False
-
-
-def _move(
-    group: Group,
-    name: str,
-    ok: bool,
-    fields: Sequence[int],
-    reads: Callable[[list[list[int]]], list[tuple[int, torch.Tensor]]],
-    exchange: Optional[Exchange],
-) -> bool:
-    """:func:`transfer` of a collective whose receivers read every byte: ``reads`` lists (pid, runs) per peer."""
-    return transfer(group, name, ok, fields, lambda rows: [Copy(p, r, False) for p, r in reads(rows)], exchange)
-
-
-def _addr(t: Optional[torch.Tensor]) -> int:
-    return t.data_ptr() if t is not None and t.numel() else 0
-
-
-def _offsets(counts: Sequence[int], item: int) -> list[int]:
-    return [sum(counts[:r]) * item for r in range(len(counts))]
-
-
-def all_to_all(
-    group: Group,
-    out: torch.Tensor,
-    out_counts: Sequence[int],
-    inp: torch.Tensor,
-    in_counts: Sequence[int],
-    *,
-    exchange: Optional[Exchange] = None,
-) -> bool:
-    """``Group._all_to_all`` by cross-memory attach; False (on every rank) to take the backend's path.
-
-    ``exchange``: the backend's own all-gather of equal int64 rows (``exchange(out, inp)``) for
-    the few integers the ranks swap (default: ``group._all_gather``); the same for every function here.
-    """
-    item = inp.element_size()
-    ok = _plain(out, inp) and out.dtype == inp.dtype and not _overlap(out, inp)
-    send_at = _offsets(in_counts, item)
-    recv_at = _offsets(out_counts, item)
-
-    def reads(rows: list[list[int]]) -> list[tuple[int, torch.Tensor]]:
-        me = group.rank
-        own = out.view(-1)[recv_at[me] // item : recv_at[me] // item + out_counts[me]]
-        own.copy_(inp.view(-1)[send_at[me] // item : send_at[me] // item + in_counts[me]])
-        base = _addr(out)
-        return [
-            (rows[s][1], _runs([base + recv_at[s]], [rows[s][2] + rows[s][3 + me]], [out_counts[s] * item]))
-            for s in range(group.size)
-            if s != me and out_counts[s]
-        ]
-
-    return _move(group, "all_to_all", ok, [_addr(inp), *send_at], reads, exchange)
-
-
-def scatter(
-    group: Group,
-    out: torch.Tensor,
-    inp: Optional[torch.Tensor],
-    counts: Sequence[int],
-    src: int,
-    *,
-    exchange: Optional[Exchange] = None,
-) -> bool:
-    """``Group._scatter`` by cross-memory attach; False (on every rank) to take the backend's path."""
-    item = out.element_size()
-    if sum(counts) * item < MIN_BYTES:
-        return False
-    at = _offsets(counts, item)
-    ok = _plain(out, inp) and (inp is None or (inp.dtype == out.dtype and not _overlap(out, inp)))
-
-    def reads(rows: list[list[int]]) -> list[tuple[int, torch.Tensor]]:
-        me = group.rank
-        if me == src:
-            assert inp is not None
-            out.view(-1).copy_(inp.view(-1)[at[me] // item : at[me] // item + counts[me]])
-            return []
-        return [(rows[src][1], _runs([_addr(out)], [rows[src][2] + at[me]], [counts[me] * item]))]
-
-    return _move(group, "scatter", ok, [_addr(inp)], reads, exchange)
-
-
-def gather(
-    group: Group,
-    out: Optional[torch.Tensor],
-    counts: Sequence[int],
-    inp: torch.Tensor,
-    dst: int,
-    *,
-    exchange: Optional[Exchange] = None,
-) -> bool:
-    """``Group._gather`` by cross-memory attach; False (on every rank) to take the backend's path."""
-    item = inp.element_size()
-    if sum(counts) * item < MIN_BYTES:
-        return False
-    at = _offsets(counts, item)
-    ok = _plain(out, inp) and (out is None or (inp.dtype == out.dtype and not _overlap(out, inp)))
-
-    def reads(rows: list[list[int]]) -> list[tuple[int, torch.Tensor]]:
-        if group.rank != dst:
-            return []
-        assert out is not None
-        out.view(-1)[at[dst] // item : at[dst] // item + counts[dst]].copy_(inp.view(-1))
-        base = _addr(out)
-        return [
-            (rows[s][1], _runs([base + at[s]], [rows[s][2]], [counts[s] * item])) for s in range(group.size) if s != dst
-        ]
-
-    return _move(group, "gather", ok, [_addr(inp)], reads, exchange)
-
-
-def all_gather(
-    group: Group, out: torch.Tensor, inp: torch.Tensor, counts: Sequence[int], *, exchange: Optional[Exchange] = None
-) -> bool:
-    """``Group._all_gather`` by cross-memory attach; False (on every rank) to take the backend's path."""
-    item = inp.element_size()
-    if sum(counts) * item < MIN_BYTES:
-        return False
-    at = _offsets(counts, item)
-    me = group.rank
-    # ``inp`` may be this rank's slot of ``out`` already (FSDP-style); any other overlap declines.
-    in_slot = inp.numel() > 0 and inp.data_ptr() == _addr(out) + at[me]
-    ok = _plain(out, inp) and inp.dtype == out.dtype and (in_slot or not _overlap(out, inp))
-
-    def reads(rows: list[list[int]]) -> list[tuple[int, torch.Tensor]]:
-        if not in_slot:
-            out.view(-1)[at[me] // item : at[me] // item + counts[me]].copy_(inp.view(-1))
-        base = _addr(out)
-        return [
-            (rows[s][1], _runs([base + at[s]], [rows[s][2]], [counts[s] * item])) for s in range(group.size) if s != me
-        ]
-
-    return _move(group, "all_gather", ok, [_addr(inp)], reads, exchange)

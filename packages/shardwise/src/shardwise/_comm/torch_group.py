@@ -23,7 +23,7 @@ from typing import Any, Callable, MutableMapping, Optional, Sequence, TypeVar
 import torch
 import torch.distributed as dist
 
-from shardwise._comm import buffers, local_copy
+from shardwise._comm import buffers, local_collectives
 from shardwise._comm.group import Group
 from shardwise._vocab.launch import LaunchInfo
 from shardwise.errors import LaunchError, PeerLostError, ShardwiseError
@@ -178,7 +178,7 @@ class TorchGroup(Group):
 
     @_peer_failures("all_gather")
     def _all_gather(self, out: torch.Tensor, inp: torch.Tensor, counts: Sequence[int]) -> None:
-        if local_copy.all_gather(self, out, inp, counts):
+        if local_collectives.all_gather(self, out, inp, counts):
             return
         most = max(counts)
         if all(c == most for c in counts):
@@ -209,7 +209,7 @@ class TorchGroup(Group):
     def _all_to_all(
         self, out: torch.Tensor, out_counts: Sequence[int], inp: torch.Tensor, in_counts: Sequence[int]
     ) -> None:
-        if local_copy.all_to_all(self, out, out_counts, inp, in_counts):
+        if local_collectives.all_to_all(self, out, out_counts, inp, in_counts):
             return
         dist.all_to_all_single(
             out, inp, output_split_sizes=list(out_counts), input_split_sizes=list(in_counts), group=self.pg
@@ -217,12 +217,12 @@ class TorchGroup(Group):
 
     @_peer_failures("gather")
     def _gather(self, out: Optional[torch.Tensor], counts: Sequence[int], inp: torch.Tensor, dst: int) -> None:
-        if not local_copy.gather(self, out, counts, inp, dst):
+        if not local_collectives.gather(self, out, counts, inp, dst):
             super()._gather(out, counts, inp, dst)
 
     @_peer_failures("scatter")
     def _scatter(self, out: torch.Tensor, inp: Optional[torch.Tensor], counts: Sequence[int], src: int) -> None:
-        if not local_copy.scatter(self, out, inp, counts, src):
+        if not local_collectives.scatter(self, out, inp, counts, src):
             super()._scatter(out, inp, counts, src)
 
     @_peer_failures("new_group")

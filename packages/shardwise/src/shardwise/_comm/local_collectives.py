@@ -1,0 +1,182 @@
+"""The group's collectives by one copy between ranks on one host (the mechanism: :mod:`shardwise._comm.local_copy`).
+
+``all_to_all``, ``scatter``, ``gather`` and ``all_gather`` of a backend
+(``Group._all_to_all``... on gloo's CPU groups and the mpi plugin's, through
+the SDK) try these first: each rank publishes the address of what it sends in
+the call's first all-gather, and each receiver reads its pieces straight from
+the senders' memory into its output (:func:`shardwise._comm.local_copy.transfer`).
+Each returns False, on every rank alike, to send the call down the backend's
+own path. Collectives whose sizes every rank knows and that move less than
+:data:`MIN_BYTES` in all keep that path without trying: two small
+all-gathers cost more than the backend's one call there.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
+
+import torch
+
+from shardwise._comm import local_copy
+from shardwise._comm.local_copy import Copy, Exchange
+
+if TYPE_CHECKING:
+    from shardwise._comm.group import Group
+
+__all__ = ["MIN_BYTES", "all_gather", "all_to_all", "gather", "scatter"]
+
+#: Collectives of known size below this many bytes in all keep the backend's path.
+MIN_BYTES = 64 * 1024
+
+
+def _plain(*tensors: Optional[torch.Tensor]) -> bool:
+    """Whether every tensor is contiguous, dense CPU memory (None counts as fine)."""
+    return all(
+        t is None or (t.device.type == "cpu" and t.layout == torch.strided and t.is_contiguous()) for t in tensors
+    )
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if not a.numel() or not b.numel():
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
+def _move(
+    group: Group,
+    name: str,
+    ok: bool,
+    fields: Sequence[int],
+    reads: Callable[[list[list[int]]], list[tuple[int, torch.Tensor]]],
+    exchange: Optional[Exchange],
+) -> bool:
+    """A collective whose receivers read every byte: ``reads`` lists (pid, runs) per peer (``local_copy.transfer``)."""
+    return local_copy.transfer(
+        group, name, ok, fields, lambda rows: [Copy(p, r, False) for p, r in reads(rows)], exchange
+    )
+
+
+def _addr(t: Optional[torch.Tensor]) -> int:
+    return t.data_ptr() if t is not None and t.numel() else 0
+
+
+def _offsets(counts: Sequence[int], item: int) -> list[int]:
+    return [sum(counts[:r]) * item for r in range(len(counts))]
+
+
+def all_to_all(
+    group: Group,
+    out: torch.Tensor,
+    out_counts: Sequence[int],
+    inp: torch.Tensor,
+    in_counts: Sequence[int],
+    *,
+    exchange: Optional[Exchange] = None,
+) -> bool:
+    """``Group._all_to_all`` by cross-memory attach; False (on every rank) to take the backend's path.
+
+    ``exchange``: the backend's own all-gather of equal int64 rows (``exchange(out, inp)``) for
+    the few integers the ranks swap (default: ``group._all_gather``); the same for every function here.
+    """
+    item = inp.element_size()
+    ok = _plain(out, inp) and out.dtype == inp.dtype and not _overlap(out, inp)
+    send_at = _offsets(in_counts, item)
+    recv_at = _offsets(out_counts, item)
+
+    def reads(rows: list[list[int]]) -> list[tuple[int, torch.Tensor]]:
+        me = group.rank
+        own = out.view(-1)[recv_at[me] // item : recv_at[me] // item + out_counts[me]]
+        own.copy_(inp.view(-1)[send_at[me] // item : send_at[me] // item + in_counts[me]])
+        base = _addr(out)
+        return [
+            (rows[s][1], local_copy.runs([base + recv_at[s]], [rows[s][2] + rows[s][3 + me]], [out_counts[s] * item]))
+            for s in range(group.size)
+            if s != me and out_counts[s]
+        ]
+
+    return _move(group, "all_to_all", ok, [_addr(inp), *send_at], reads, exchange)
+
+
+def scatter(
+    group: Group,
+    out: torch.Tensor,
+    inp: Optional[torch.Tensor],
+    counts: Sequence[int],
+    src: int,
+    *,
+    exchange: Optional[Exchange] = None,
+) -> bool:
+    """``Group._scatter`` by cross-memory attach; False (on every rank) to take the backend's path."""
+    item = out.element_size()
+    if sum(counts) * item < MIN_BYTES:
+        return False
+    at = _offsets(counts, item)
+    ok = _plain(out, inp) and (inp is None or (inp.dtype == out.dtype and not _overlap(out, inp)))
+
+    def reads(rows: list[list[int]]) -> list[tuple[int, torch.Tensor]]:
+        me = group.rank
+        if me == src:
+            assert inp is not None
+            out.view(-1).copy_(inp.view(-1)[at[me] // item : at[me] // item + counts[me]])
+            return []
+        return [(rows[src][1], local_copy.runs([_addr(out)], [rows[src][2] + at[me]], [counts[me] * item]))]
+
+    return _move(group, "scatter", ok, [_addr(inp)], reads, exchange)
+
+
+def gather(
+    group: Group,
+    out: Optional[torch.Tensor],
+    counts: Sequence[int],
+    inp: torch.Tensor,
+    dst: int,
+    *,
+    exchange: Optional[Exchange] = None,
+) -> bool:
+    """``Group._gather`` by cross-memory attach; False (on every rank) to take the backend's path."""
+    item = inp.element_size()
+    if sum(counts) * item < MIN_BYTES:
+        return False
+    at = _offsets(counts, item)
+    ok = _plain(out, inp) and (out is None or (inp.dtype == out.dtype and not _overlap(out, inp)))
+
+    def reads(rows: list[list[int]]) -> list[tuple[int, torch.Tensor]]:
+        if group.rank != dst:
+            return []
+        assert out is not None
+        out.view(-1)[at[dst] // item : at[dst] // item + counts[dst]].copy_(inp.view(-1))
+        base = _addr(out)
+        return [
+            (rows[s][1], local_copy.runs([base + at[s]], [rows[s][2]], [counts[s] * item]))
+            for s in range(group.size)
+            if s != dst
+        ]
+
+    return _move(group, "gather", ok, [_addr(inp)], reads, exchange)
+
+
+def all_gather(
+    group: Group, out: torch.Tensor, inp: torch.Tensor, counts: Sequence[int], *, exchange: Optional[Exchange] = None
+) -> bool:
+    """``Group._all_gather`` by cross-memory attach; False (on every rank) to take the backend's path."""
+    item = inp.element_size()
+    if sum(counts) * item < MIN_BYTES:
+        return False
+    at = _offsets(counts, item)
+    me = group.rank
+    # ``inp`` may be this rank's slot of ``out`` already (FSDP-style); any other overlap declines.
+    in_slot = inp.numel() > 0 and inp.data_ptr() == _addr(out) + at[me]
+    ok = _plain(out, inp) and inp.dtype == out.dtype and (in_slot or not _overlap(out, inp))
+
+    def reads(rows: list[list[int]]) -> list[tuple[int, torch.Tensor]]:
+        if not in_slot:
+            out.view(-1)[at[me] // item : at[me] // item + counts[me]].copy_(inp.view(-1))
+        base = _addr(out)
+        return [
+            (rows[s][1], local_copy.runs([base + at[s]], [rows[s][2]], [counts[s] * item]))
+            for s in range(group.size)
+            if s != me
+        ]
+
+    return _move(group, "all_gather", ok, [_addr(inp)], reads, exchange)
