@@ -213,21 +213,19 @@ def shares(boxes: Sequence[BoxMove], me: int, local_bytes: int, item: int, n_src
     head = [local_bytes, 0, 0, 0, 0]
     read_shed, write_take = [0] * n_src, [0] * n_src
     read_take, write_shed = [0] * n_dst, [0] * n_dst
+    # By (read by default, this rank is the sender): where the box's iovecs and bytes count. This rank would
+    # copy the box by writing exactly when it is the sender, so its far side is then the target shard.
+    kinds = {
+        (True, False): (_IOV_READ_SHED, read_shed),
+        (True, True): (_IOV_READ_TAKE, read_take),
+        (False, True): (_IOV_WRITE_SHED, write_shed),
+        (False, False): (_IOV_WRITE_TAKE, write_take),
+    }
     for b in boxes:
-        nbytes = b.numel * item
-        if read_by_default(b):
-            if b.dst_rank == me:
-                head[_IOV_READ_SHED] += remote_runs(b, False)
-                read_shed[b.src] += nbytes
-            else:
-                head[_IOV_READ_TAKE] += remote_runs(b, True)
-                read_take[b.dst] += nbytes
-        elif b.src_rank == me:
-            head[_IOV_WRITE_SHED] += remote_runs(b, True)
-            write_shed[b.dst] += nbytes
-        else:
-            head[_IOV_WRITE_TAKE] += remote_runs(b, False)
-            write_take[b.src] += nbytes
+        sender = b.src_rank == me
+        slot, by_shard = kinds[(read_by_default(b), sender)]
+        head[slot] += remote_runs(b, pushed=sender)
+        by_shard[b.dst if sender else b.src] += b.numel * item
     return head + read_shed + write_take + read_take + write_shed
 
 
