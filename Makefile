@@ -102,6 +102,9 @@ demo-recsys: install
 # - cross_memory.py, two processes: what one cross-memory-attach copy costs by
 #   the far side's pages and layout, the figures behind box_moves' cost model
 #   (cross-memory.md).
+# - gloo_rounds.py, on 2 and 4 ranks: what one round of gloo costs by how the
+#   ranks swap small rows (ring all-gather, all-to-all, shardwise's choice)
+#   (gloo-rounds-<N>ranks.md).
 # `make bench-core RANKS=4` runs bench.py alone.
 RANKS ?= 2
 BENCH_RESULTS := benchmarks/results
@@ -113,6 +116,8 @@ bench: install
 	$(BIN)/mpiexec -n 2 $(BIN)/python benchmarks/pipeline.py
 	$(BIN)/python benchmarks/scale.py
 	$(BIN)/python benchmarks/cross_memory.py
+	$(BIN)/mpiexec -n 2 $(BIN)/python benchmarks/gloo_rounds.py
+	$(BIN)/mpiexec -n 4 $(BIN)/python benchmarks/gloo_rounds.py
 	$(BIN)/python benchmarks/targets.py $(BENCH_RESULTS)/bench-2ranks.md $(BENCH_RESULTS)/bench-4ranks.md \
 		$(BENCH_RESULTS)/dtensor-2ranks.md $(BENCH_RESULTS)/dtensor-4ranks.md \
 		$(BENCH_RESULTS)/pipeline-2ranks.md $(BENCH_RESULTS)/scale.md

@@ -127,3 +127,11 @@ def script_args(doc: str, argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true", help="tiny sizes and 2 repeats: checks that it runs")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results", help="results directory")
     return parser.parse_args(argv)
+
+
+def publish(out: Path, name: str, text: str) -> None:
+    """Write a results table to ``out/name`` (making ``out``) and print it, as every benchmark ends."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / name).write_text(text)
+    sys.stdout.write(text if text.endswith("\n") else text + "\n")
+    sys.stdout.flush()

@@ -59,7 +59,7 @@ from typing import Any, Callable, Optional
 import shardwise_mpi
 import torch
 import torch.distributed as dist
-from _timing import library_line, mpi, time_all
+from _timing import library_line, mpi, publish, time_all
 from shardwise_mpi._c10d_buffers import prefer_huge_pages
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
@@ -424,9 +424,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     rows = collectives(comm, pgs, sizes)
     if comm.Get_rank() == 0:
         text = report(size, sizes, moved, rows)
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / f"dtensor-{size}ranks.md").write_text(text)
-        print(text)
+        publish(args.out, f"dtensor-{size}ranks.md", text)
     dist.destroy_process_group()
     shardwise.destroy()
     return 0

@@ -46,7 +46,7 @@ import shardwise_mpi
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _timing import library_line, mpi, script_args, time_all, with_verify
+from _timing import library_line, mpi, publish, script_args, time_all, with_verify
 from torch.distributed._shard import _shard_tensor
 from torch.distributed._shard.sharding_spec import ChunkShardingSpec as TorchChunkSpec
 
@@ -220,9 +220,7 @@ def main() -> int:
         del weights
     if rank == 0:
         text = table(rows, size)
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "embedding.md").write_text(text)
-        print(text)
+        publish(args.out, "embedding.md", text)
     dist.destroy_process_group()
     shardwise.destroy()
     return 0

@@ -24,7 +24,7 @@ from typing import Any, Callable
 import shardwise_mpi
 import torch
 import torch.distributed as dist
-from _timing import library_line, mpi, script_args, time_all, with_verify
+from _timing import library_line, mpi, publish, script_args, time_all, with_verify
 
 import shardwise
 from shardwise.torch_group import wrap_process_group
@@ -100,9 +100,7 @@ def main() -> int:
             rows.append((name, mib, time_all(comm, calls, REPEATS[mib], WARMUP)))
     if rank == 0:
         text = table(rows, size)
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "mpi_collectives.md").write_text(text)
-        print(text)
+        publish(args.out, "mpi_collectives.md", text)
     dist.destroy_process_group()
     shardwise.destroy()
     return 0

@@ -35,7 +35,7 @@ from typing import Any, Iterable, Optional
 import shardwise_mpi
 import torch
 import torch.distributed as dist
-from _timing import library_line, mpi, script_args
+from _timing import library_line, mpi, publish, script_args
 from shardwise_embedding import RowWiseAdagrad, SparseDistPipeline, shard_collection
 
 import shardwise
@@ -224,10 +224,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     found = {name: measure(comm, Trainer(group, cfg, plan), sizes) for name, group in groups.items()}
     if comm.Get_rank() == 0:
         text = report(found, size, sizes)
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / f"pipeline-{size}ranks.md").write_text(text)
-        sys.stdout.write(text)
-        sys.stdout.flush()
+        publish(args.out, f"pipeline-{size}ranks.md", text)
     dist.destroy_process_group()
     shardwise.destroy()
     return 0

@@ -90,6 +90,16 @@ def test_dtensor_benchmark_quick_run_writes_every_column_and_target(tmp_path: Pa
     assert sum(what.startswith("mpi4py ") for what, _ in targets) >= 20, text
 
 
+def test_gloo_rounds_benchmark_times_the_three_ways_to_swap_rows(tmp_path: Path) -> None:
+    out = mpiexec(BENCHMARKS / "gloo_rounds.py", 2, "--smoke", "--out", str(tmp_path))
+    text = (tmp_path / "gloo-rounds-2ranks.md").read_text()
+    assert text in out
+    cells = r" \| ([0-9.]+)" * 4
+    rows = re.findall(rf"^\| (8 B|64 KiB){cells} \|$", text, flags=re.MULTILINE)
+    assert [row[0] for row in rows] == ["8 B", "64 KiB"], text
+    assert all(float(ms) > 0 for row in rows for ms in row[1:]), text
+
+
 @pytest.fixture
 def chart(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     """benchmarks/_chart.py, imported as the benchmarks import it (their directory on sys.path)."""

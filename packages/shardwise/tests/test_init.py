@@ -180,6 +180,7 @@ def test_a_transport_failure_becomes_peer_lost_error_naming_rank_and_collective(
     assert isinstance(info.value, RuntimeError)  # existing `except RuntimeError` clauses still catch it
     # A failure inside the handshake names the collective the caller made, not the handshake's all-gather.
     monkeypatch.setattr(dist, "all_gather_single", closed)
+    monkeypatch.setattr(dist, "all_to_all_single", closed)  # gloo's small all-gathers go as one all-to-all
     with pytest.raises(PeerLostError, match=r"^rank 0 of 1: broadcast \(agreeing on its arguments\) on the gloo"):
         group.broadcast(torch.ones(3))
     monkeypatch.undo()

@@ -26,7 +26,10 @@ What is here:
   this host they move the bytes by cross-memory attach (one copy, straight
   from the sender's memory) and return True on every rank, else False on
   every rank and the backend moves them itself. A backend opts in with a
-  class attribute ``_local_copy = True``.
+  class attribute ``_local_copy = True``. :class:`RoundTrip`: requests out and
+  answers back (an all-gather, local work, an all-to-all) in two rounds, its
+  addresses riding on the caller's agreement (see
+  ``shardwise_embedding``'s column-wise lookups).
 * **agreement** — :meth:`Group.agree`, the one "check locally, tell the
   peers, fail together" primitive, and :data:`AGREED_ERRORS`, the error
   kinds it carries to the peers.
@@ -51,6 +54,7 @@ from shardwise._comm.local_collectives import all_gather as local_all_gather
 from shardwise._comm.local_collectives import all_to_all as local_all_to_all
 from shardwise._comm.local_collectives import gather as local_gather
 from shardwise._comm.local_collectives import scatter as local_scatter
+from shardwise._comm.round_trip import RoundTrip
 from shardwise._comm.work import Work
 from shardwise._vocab.wire import BITWISE_REDUCE_OPS, REDUCE_OPS, normalize_reduce_op
 
@@ -59,6 +63,7 @@ __all__ = [
     "BITWISE_REDUCE_OPS",
     "DEFAULT_TIMEOUT",
     "REDUCE_OPS",
+    "RoundTrip",
     "Group",
     "Work",
     "empty",

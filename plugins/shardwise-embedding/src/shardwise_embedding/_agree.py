@@ -20,7 +20,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from shardwise import Group
+from shardwise import Group, sdk
 from shardwise.errors import CollectiveMismatchError, PeerError
 from shardwise_embedding._inputs import BadIds
 
@@ -94,7 +94,8 @@ def agree_and_gather(
     sizes: Sequence[int],
     payload: torch.Tensor,
     narrow: bool = False,
-) -> tuple[list[list[int]], list[torch.Tensor]]:
+    answers: Optional[tuple[torch.Tensor, list[int]]] = None,
+) -> tuple[list[list[int]], list[torch.Tensor], Optional[sdk.RoundTrip]]:
     """:func:`agree`, then all-gather a 1-D int64 ``payload`` (any length) from every rank.
 
     For algorithms whose first step is an all-gather anyway (column-wise).
@@ -106,11 +107,19 @@ def agree_and_gather(
             than 2**31 rows, counts): it travels as int32, half the bytes
             (on gloo, which moves data over TCP even between local ranks, a
             MiB costs milliseconds). Every rank must pass the same value.
+        answers: This rank's answer box and the elements it expects from
+            each rank, when the caller's last step sends answers back: on
+            one host the agreement then also carries what
+            :class:`shardwise.sdk.RoundTrip` needs, the payloads are read
+            straight from the peers, and the caller answers with the
+            returned round trip (two rounds in all, instead of five).
 
     Returns:
-        Every rank's ``sizes`` and every rank's payload, in rank order (as
+        Every rank's ``sizes``, every rank's payload, in rank order (as
         int64; a narrowed payload may carry one zero of padding at its end,
-        so callers slice it by the sizes).
+        so callers slice it by the sizes), and the bound round trip (None
+        when ``answers`` is None or the ranks cannot take that path: the
+        caller then sends its answers by all-to-all).
     """
     body = payload.to(torch.int64) if error is None else payload.new_empty(0, dtype=torch.int64)
     if narrow:
@@ -118,8 +127,18 @@ def agree_and_gather(
         if small.numel() % 2:
             small = torch.cat([small, small.new_zeros(1)])
         body = small.view(torch.int64)  # two int32 values per int64 word
-    everyone = agree(group, op, error, signature, [*sizes, body.numel()])
+    trip = None if answers is None else sdk.RoundTrip(group, body, answers[0], answers[1])
+    fields = [] if trip is None else trip.fields
+    everyone = agree(group, op, error, signature, [*sizes, body.numel(), *fields])
+    tails = [row[len(row) - len(fields) :] for row in everyone]
+    everyone = [row[: len(row) - len(fields)] for row in everyone]
     lengths = [row.pop() for row in everyone]
+    if trip is not None and trip.bind(tails):
+        gathered = trip.gather(body.new_empty(sum(lengths)))
+        bodies = list(gathered.split(lengths))
+        if narrow:
+            bodies = [b.view(torch.int32).to(torch.int64) for b in bodies]
+        return everyone, bodies, trip
     most = max(lengths)
     # Equal lengths let every rank receive into one buffer with no sizes to agree on;
     # the shorter payloads are padded (a copy the old concatenation with the header made anyway).
@@ -132,4 +151,4 @@ def agree_and_gather(
     bodies = [gathered[r * most : r * most + n] for r, n in enumerate(lengths)]
     if narrow:
         bodies = [b.view(torch.int32).to(torch.int64) for b in bodies]
-    return everyone, bodies
+    return everyone, bodies, None

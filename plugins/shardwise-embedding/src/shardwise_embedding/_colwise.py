@@ -5,6 +5,13 @@ columns of all of them (or pools all ranks' bags over its columns) and an
 autograd ``all_to_all`` sends each rank its block; the rank lays the blocks
 side by side in column (placement) order. ``max_norm`` needs whole-row norms:
 owners add up (or max) their columns' partial norms with one ``all_reduce``.
+
+On one host the all-gather and the all-to-all are one
+:class:`shardwise.sdk.RoundTrip`: the call's agreement carries the addresses
+of every rank's ids and answer box (:func:`answer_box`, allocated before the
+agreement), owners read the ids and write their blocks straight into the
+boxes, and one closing round ends the forward: two rounds of the backend in
+all. The backward is the all-to-all's.
 """
 
 from __future__ import annotations
@@ -21,7 +28,15 @@ from shardwise_embedding._grad import pool_by_frequency, scale_grad
 from shardwise_embedding._inputs import Options, Table, zeros_in_graph
 from shardwise_embedding._take import place_columns, pool_rows, take_rows
 
-__all__ = ["assemble_columns", "bag_colwise", "gather_uneven", "lookup_colwise", "renorm_columns", "serve_columns"]
+__all__ = [
+    "answer_box",
+    "assemble_columns",
+    "bag_colwise",
+    "gather_uneven",
+    "lookup_colwise",
+    "renorm_columns",
+    "serve_columns",
+]
 
 
 def gather_uneven(group: Group, tensor: torch.Tensor, counts: list[int]) -> list[torch.Tensor]:
@@ -88,14 +103,35 @@ def serve_columns(table: Table, local_rows: list[torch.Tensor], counts: list[int
     return torch.cat(pieces), sizes
 
 
-def assemble_columns(group: Group, table: Table, flat: torch.Tensor, sent: list[int], rows: int) -> torch.Tensor:
-    """Send every rank its blocks and lay the blocks this rank receives out as ``[rows, D]`` columns."""
+def _owned(table: Table) -> dict[int, list[tuple[int, int]]]:
+    """Every owner's column shards, ``(offset, size)`` in placement order."""
     owned: dict[int, list[tuple[int, int]]] = {}
     for offset, size, owner in table.shards:
         owned.setdefault(owner, []).append((offset, size))
+    return owned
+
+
+def answer_box(group: Group, table: Table, rows: int, device: torch.device) -> tuple[torch.Tensor, list[int]]:
+    """The buffer this rank receives its ``rows`` rows' column blocks in, and the elements from each owner."""
+    owned = _owned(table)
     recv = [rows * sum(size for _, size in owned.get(r, [])) for r in range(group.size)]
-    box = sdk.empty((sum(recv),), flat.dtype, flat.device)
-    got = dist_f.all_to_all_single(box, flat, recv, sent, group=group)
+    return sdk.empty((sum(recv),), table.weight.dtype, device), recv
+
+
+def assemble_columns(
+    group: Group, table: Table, flat: torch.Tensor, sent: list[int], rows: int, trip: Optional[sdk.RoundTrip] = None
+) -> torch.Tensor:
+    """Send every rank its blocks and lay the blocks this rank receives out as ``[rows, D]`` columns.
+
+    With ``trip`` (bound by the call's agreement) the blocks are written
+    straight into the receivers' boxes; else they go by all-to-all.
+    """
+    owned = _owned(table)
+    if trip is not None:
+        got = trip.answer(flat, sent)
+    else:
+        box, recv = answer_box(group, table, rows, flat.device)
+        got = dist_f.all_to_all_single(box, flat, recv, sent, group=group)
     blocks = []
     cursor = 0
     for r in range(group.size):
@@ -107,7 +143,7 @@ def assemble_columns(group: Group, table: Table, flat: torch.Tensor, sent: list[
 
 def lookup_colwise(
     group: Group, table: Table, opts: Options, all_ids: torch.Tensor, all_freq: Optional[torch.Tensor],
-    counts: list[int],
+    counts: list[int], trip: Optional[sdk.RoundTrip] = None,
 ) -> torch.Tensor:
     """Rows (all columns) of this rank's distinct ids.
 
@@ -115,6 +151,7 @@ def lookup_colwise(
         all_ids: Every rank's distinct ids, in rank order (the all-gather's result).
         all_freq: Their occurrence counts (only for ``scale_grad_by_freq``).
         counts: Number of distinct ids of every rank.
+        trip: The round trip the agreement bound, to answer through (or None).
     """
     if opts.max_norm is not None:
         renorm_columns(group, table, opts, all_ids)
@@ -128,12 +165,12 @@ def lookup_colwise(
         rows = take_rows(shard, all_ids, opts.padding_idx)
         local_rows.append(rows if scale is None else scale_grad(rows, scale))
     flat, sent = serve_columns(table, local_rows, counts)
-    return assemble_columns(group, table, flat, sent, counts[group.rank])
+    return assemble_columns(group, table, flat, sent, counts[group.rank], trip)
 
 
 def bag_colwise(
     group: Group, table: Table, opts: Options, all_ids: torch.Tensor, all_lengths: torch.Tensor,
-    weights: Optional[torch.Tensor], sizes: list[tuple[int, int]],
+    weights: Optional[torch.Tensor], sizes: list[tuple[int, int]], trip: Optional[sdk.RoundTrip] = None,
 ) -> torch.Tensor:
     """``F.embedding_bag`` over column shards: owners pool every rank's bags over their columns.
 
@@ -141,6 +178,7 @@ def bag_colwise(
         all_ids, all_lengths: Every rank's bags (ids, and ids per bag), in rank order.
         weights: This rank's ``per_sample_weights`` (or None).
         sizes: ``(number of ids, number of bags)`` of every rank.
+        trip: The round trip the agreement bound, to answer through (or None).
     """
     all_weights: Optional[torch.Tensor] = None
     if weights is not None:
@@ -177,4 +215,4 @@ def bag_colwise(
         # Tie the gathered weights into this rank's graph (with zero gradient) so
         # that it joins their backward collective, which its peers will enter.
         flat = flat + all_weights.sum() * 0
-    return assemble_columns(group, table, flat, sent, bag_counts[group.rank])
+    return assemble_columns(group, table, flat, sent, bag_counts[group.rank], trip)

@@ -124,14 +124,17 @@ def sharded_embedding(args: Any, kwargs: dict[str, Any], process_group: Any) -> 
         everyone = agree(group, "embedding", error, signature, sizes)
         with group.unverified():
             return _rowwise.lookup_rowwise(group, table, opts, route, [row[group.rank] for row in everyone], shape)
-    everyone, pieces = agree_and_gather(group, "embedding", error, signature, sizes, payload, _narrow(table))
+    answers = _colwise.answer_box(group, table, sizes[0] if error is None else 0, payload.device)
+    everyone, pieces, trip = agree_and_gather(
+        group, "embedding", error, signature, sizes, payload, _narrow(table), answers
+    )
     counts = [row[0] for row in everyone]
     all_ids = torch.cat([piece[:n] for piece, n in zip(pieces, counts, strict=True)])
     all_freq = None
     if opts.scale_grad_by_freq:
         all_freq = torch.cat([piece[n : 2 * n] for piece, n in zip(pieces, counts, strict=True)])
     with group.unverified():
-        rows = _colwise.lookup_colwise(group, table, opts, all_ids, all_freq, counts)
+        rows = _colwise.lookup_colwise(group, table, opts, all_ids, all_freq, counts, trip)
     return take_rows(rows, inverse).view(*shape, table.cols)
 
 
@@ -208,12 +211,15 @@ def sharded_embedding_bag(args: Any, kwargs: dict[str, Any], process_group: Any)
             payload = torch.cat([bags.ids, bags.lengths])
         else:
             payload = torch.empty(0, dtype=torch.int64, device="cpu")
-        everyone, pieces = agree_and_gather(group, "embedding_bag", error, signature, sizes, payload, _narrow(table))
+        answers = _colwise.answer_box(group, table, sizes[1] if error is None else 0, payload.device)
+        everyone, pieces, trip = agree_and_gather(
+            group, "embedding_bag", error, signature, sizes, payload, _narrow(table), answers
+        )
         shapes = [(row[0], row[1]) for row in everyone]
         all_ids = torch.cat([piece[:n] for piece, (n, _) in zip(pieces, shapes, strict=True)])
         all_lengths = torch.cat([piece[n : n + b] for piece, (n, b) in zip(pieces, shapes, strict=True)])
         with group.unverified():
-            return _colwise.bag_colwise(group, table, opts, all_ids, all_lengths, bags.weights, shapes)
+            return _colwise.bag_colwise(group, table, opts, all_ids, all_lengths, bags.weights, shapes, trip)
     everyone = agree(group, "embedding_bag", error, signature, sizes)
     recv = [row[group.rank] for row in everyone]
     bag_counts = [row[-1] for row in everyone]

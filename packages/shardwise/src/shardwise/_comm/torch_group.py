@@ -50,6 +50,10 @@ def _device_types(backend: str) -> tuple[str, ...]:
     return {"gloo": ("cpu",), "nccl": ("cuda",)}.get(backend, ("cpu",))
 
 
+#: gloo all-gathers of at most this many bytes per rank go as one all-to-all (see TorchGroup._all_gather).
+_DIRECT_GATHER_BYTES = 256 * 1024
+
+
 _Primitive = TypeVar("_Primitive", bound=Callable[..., Any])
 
 
@@ -137,6 +141,7 @@ class TorchGroup(Group):
         # Ranks on one host move CPU data by cross-memory attach (one copy from the
         # sender's memory; gloo copies through a socket): see shardwise._comm.local_copy.
         self._local_copy = self._device.type == "cpu"
+        self._direct_gather = self._device.type == "cpu" and "gloo" in backend
         if owns is not None:
             _owning.add(self)
 
@@ -181,6 +186,12 @@ class TorchGroup(Group):
         if local_collectives.all_gather(self, out, inp, counts):
             return
         most = max(counts)
+        if self._direct_gather and most * inp.element_size() <= _DIRECT_GATHER_BYTES:
+            # gloo's all-gather passes the pieces round a ring, one hop after another; its
+            # all-to-all sends each peer its piece at once (benchmarks/gloo_rounds.py).
+            sent = [inp.numel()] * self.size
+            dist.all_to_all_single(out, inp.repeat(self.size), list(counts), sent, group=self.pg)
+            return
         if all(c == most for c in counts):
             dist.all_gather_single(out, inp, group=self.pg)
             return
