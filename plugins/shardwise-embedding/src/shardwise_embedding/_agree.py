@@ -117,9 +117,10 @@ def agree_and_gather(
     Returns:
         Every rank's ``sizes``, every rank's payload, in rank order (as
         int64; a narrowed payload may carry one zero of padding at its end,
-        so callers slice it by the sizes), and the bound round trip (None
-        when ``answers`` is None or the ranks cannot take that path: the
-        caller then sends its answers by all-to-all).
+        so callers slice it by the sizes), and the round trip (None when
+        ``answers`` is None); when it is not ``bound`` (the ranks cannot
+        take that path) the caller sends its answers by all-to-all, into
+        the same box.
     """
     body = payload.to(torch.int64) if error is None else payload.new_empty(0, dtype=torch.int64)
     if narrow:
@@ -140,6 +141,7 @@ def agree_and_gather(
             bodies = [b.view(torch.int32).to(torch.int64) for b in bodies]
         return everyone, bodies, trip
     most = max(lengths)
+    # The collectives' path (ranks on several hosts, CUDA, the switch off).
     # Equal lengths let every rank receive into one buffer with no sizes to agree on;
     # the shorter payloads are padded (a copy the old concatenation with the header made anyway).
     if body.numel() < most:
@@ -151,4 +153,4 @@ def agree_and_gather(
     bodies = [gathered[r * most : r * most + n] for r, n in enumerate(lengths)]
     if narrow:
         bodies = [b.view(torch.int32).to(torch.int64) for b in bodies]
-    return everyone, bodies, None
+    return everyone, bodies, trip

@@ -123,14 +123,15 @@ def assemble_columns(
 ) -> torch.Tensor:
     """Send every rank its blocks and lay the blocks this rank receives out as ``[rows, D]`` columns.
 
-    With ``trip`` (bound by the call's agreement) the blocks are written
-    straight into the receivers' boxes; else they go by all-to-all.
+    With ``trip`` bound by the call's agreement the blocks are written
+    straight into the receivers' boxes; else they go by all-to-all (into the
+    trip's box, if there is one).
     """
     owned = _owned(table)
-    if trip is not None:
+    if trip is not None and trip.bound:
         got = trip.answer(flat, sent)
     else:
-        box, recv = answer_box(group, table, rows, flat.device)
+        box, recv = answer_box(group, table, rows, flat.device) if trip is None else (trip.box, trip.recv)
         got = dist_f.all_to_all_single(box, flat, recv, sent, group=group)
     blocks = []
     cursor = 0
@@ -151,7 +152,7 @@ def lookup_colwise(
         all_ids: Every rank's distinct ids, in rank order (the all-gather's result).
         all_freq: Their occurrence counts (only for ``scale_grad_by_freq``).
         counts: Number of distinct ids of every rank.
-        trip: The round trip the agreement bound, to answer through (or None).
+        trip: The call's round trip, to answer through if bound (or None).
     """
     if opts.max_norm is not None:
         renorm_columns(group, table, opts, all_ids)
@@ -178,7 +179,7 @@ def bag_colwise(
         all_ids, all_lengths: Every rank's bags (ids, and ids per bag), in rank order.
         weights: This rank's ``per_sample_weights`` (or None).
         sizes: ``(number of ids, number of bags)`` of every rank.
-        trip: The round trip the agreement bound, to answer through (or None).
+        trip: The call's round trip, to answer through if bound (or None).
     """
     all_weights: Optional[torch.Tensor] = None
     if weights is not None:

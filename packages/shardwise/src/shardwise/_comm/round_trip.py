@@ -125,6 +125,11 @@ class RoundTrip:
         return True
 
     @property
+    def bound(self) -> bool:
+        """Whether :meth:`bind` returned True (this call takes the two-round path)."""
+        return self._bound
+
+    @property
     def counts(self) -> list[int]:
         """Elements of every rank's request (after :meth:`bind`)."""
         return [r[3] for r in self._rows]
