@@ -85,7 +85,9 @@ class RoundTrip:
     def __init__(self, group: Group, request: torch.Tensor, box: torch.Tensor, recv: Sequence[int]) -> None:
         self.group = group
         self.request, self.box, self.recv = request, box, list(recv)
-        # First, on every rank alike: the group's first use agrees on the verdict collectively.
+        # Queued asynchronous collectives go first (one may be settling the verdict); then, on every
+        # rank alike, the group's first use agrees on the verdict collectively.
+        group._settle()
         usable = local_copy.usable(group)
         ok = (
             usable
