@@ -4,7 +4,7 @@ Why: a column-wise lookup is an all-gather of every rank's ids, local work,
 and an all-to-all of the answers. Each of those collectives by one copy
 (:mod:`shardwise._comm.local_collectives`) takes two rounds of the backend
 (addresses, then "done"), and the lookup's agreement one more: five rounds,
-where torch's ``_shard`` takes two. On gloo a round costs 0.5 to 7 ms
+where torch's ``_shard`` takes two. On gloo a round costs 0.3 to 7 ms
 (benchmarks/gloo_rounds.py), more than the bytes. Here the addresses ride on
 the caller's agreement, answers are written straight into the asker's
 buffer (``process_vm_writev``), and one closing round tells every rank that
