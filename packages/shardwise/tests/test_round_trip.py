@@ -77,10 +77,10 @@ def _case(world: int) -> st.SearchStrategy[tuple[list[int], list[list[int]]]]:
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
-@settings(max_examples=2, deadline=None)
+@settings(max_examples=1, deadline=None)  # one launch per world size, six drawn exchanges in it
 @given(data=st.data())
 def test_a_round_trip_equals_an_all_gather_and_an_all_to_all(world_size: int, data: st.DataObject) -> None:
-    cases = data.draw(st.lists(_case(world_size), min_size=4, max_size=4))
+    cases = data.draw(st.lists(_case(world_size), min_size=6, max_size=6))
     for res in run(_trips, world_size, cases):
         for one in res:
             assert one == {"bound": True, "gathered": True, "box": True, "grad": True, "pinned": 0}
