@@ -135,22 +135,19 @@ def agree_and_gather(
     everyone = [row[: len(row) - len(fields)] for row in everyone]
     lengths = [row.pop() for row in everyone]
     if trip is not None and trip.bind(tails):
-        gathered = trip.gather(body.new_empty(sum(lengths)))
-        bodies = list(gathered.split(lengths))
-        if narrow:
-            bodies = [b.view(torch.int32).to(torch.int64) for b in bodies]
-        return everyone, bodies, trip
-    most = max(lengths)
-    # The collectives' path (ranks on several hosts, CUDA, the switch off).
-    # Equal lengths let every rank receive into one buffer with no sizes to agree on;
-    # the shorter payloads are padded (a copy the old concatenation with the header made anyway).
-    if body.numel() < most:
-        body = torch.cat([body, body.new_zeros(most - body.numel())])
-    gathered = body.new_empty(most * group.size)
-    if most:
-        with group.unverified():
-            group.all_gather(body, out=gathered)
-    bodies = [gathered[r * most : r * most + n] for r, n in enumerate(lengths)]
+        bodies = list(trip.gather(body.new_empty(sum(lengths))).split(lengths))
+    else:
+        # The collectives' path (ranks on several hosts, CUDA, the switch off). Equal lengths let
+        # every rank receive into one buffer with no sizes to agree on; the shorter payloads are
+        # padded (a copy the old concatenation with the header made anyway).
+        most = max(lengths)
+        if body.numel() < most:
+            body = torch.cat([body, body.new_zeros(most - body.numel())])
+        gathered = body.new_empty(most * group.size)
+        if most:
+            with group.unverified():
+                group.all_gather(body, out=gathered)
+        bodies = [gathered[r * most : r * most + n] for r, n in enumerate(lengths)]
     if narrow:
         bodies = [b.view(torch.int32).to(torch.int64) for b in bodies]
     return everyone, bodies, trip

@@ -347,7 +347,11 @@ def _agree_verdict(group: Group) -> bool:
 
 def _finish(group: Group, name: str, err: int) -> None:
     """Collective end of a call: every rank has read (so buffers may be reused); raise everywhere if one failed."""
-    errors = [row[0] for row in all_gather_ints(group, [err])]
+    _settled(group, name, [row[0] for row in all_gather_ints(group, [err])])
+
+
+def _settled(group: Group, name: str, errors: Sequence[int]) -> None:
+    """Every rank's error number of a finished call (the same list on each): raise if any failed, else count it."""
     failed = [(r, e) for r, e in enumerate(errors) if e]
     if failed:
         where = ", ".join(f"rank {r}: {_strerror(e)}" for r, e in failed)

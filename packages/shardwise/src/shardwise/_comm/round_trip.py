@@ -40,7 +40,7 @@ import torch
 
 from shardwise._comm import local_copy
 from shardwise._comm.autograd import _AllToAllSingle
-from shardwise.errors import CollectiveMismatchError, PeerLostError
+from shardwise.errors import CollectiveMismatchError
 
 if TYPE_CHECKING:
     from shardwise._comm.group import Group
@@ -211,7 +211,6 @@ class RoundTrip:
         codes = [row[0] for row in local_copy.all_gather_ints(group, [self._err])]
         held = _pinned.get(group._communicator(), [])
         held[:] = [pair for pair in held if pair[0] is not self.request or pair[1] is not self.box]
-        local_copy.stats["round_trip"] = local_copy.stats.get("round_trip", 0) + 1
         mismatched = [r for r, c in enumerate(codes) if c == _MISMATCH]
         if mismatched:
             raise CollectiveMismatchError(
@@ -219,14 +218,7 @@ class RoundTrip:
                 "wrote did not fit what the other ranks published (element counts or dtypes); no rank's result is "
                 "valid"
             )
-        failed = [(r, c) for r, c in enumerate(codes) if c]
-        if failed:
-            where = ", ".join(f"rank {r}: {local_copy._strerror(c)}" for r, c in failed)
-            raise PeerLostError(
-                f"rank {group.rank} of {group.size}: a request/answer exchange by cross-memory attach failed "
-                f"({where}). A peer has probably died; the group cannot be used any more. If the kernel refuses "
-                f"the copies, set {local_copy.LOCAL_COPY_ENV}=0 to use the backend's own transport."
-            )
+        local_copy._settled(group, "round_trip", codes)
 
 
 def _addr(t: torch.Tensor) -> int:
