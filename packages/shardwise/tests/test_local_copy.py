@@ -22,8 +22,9 @@ from hypothesis import strategies as st
 import shardwise
 from shardwise._comm import box_moves, local_collectives, local_copy
 from shardwise._comm.group import Group
+from shardwise.sharded_tensor import Shard, ShardedTensor
 
-from rank_helpers import group_without_local_copy, run
+from rank_helpers import box, group_without_local_copy, run
 
 ROW = 1024  # float32 elements per row: 4 KiB, so a few rows pass local_collectives.MIN_BYTES
 
@@ -95,6 +96,58 @@ def _same_with_and_without(seeds: int) -> dict[str, Any]:
 def test_every_collective_and_layout_change_equals_the_backends_own_path(world_size: int) -> None:
     for res in run(_same_with_and_without, world_size, 2):
         assert res["used"]["collectives"] > 0 and res["used"]["layouts"] > 0 and res["boxes"] > 0
+
+
+def _flagged(dense: torch.Tensor, kind: str) -> torch.Tensor:
+    """A view of ``dense``'s values whose memory holds other values: conj or neg flag set."""
+    if kind == "conj":
+        return dense.conj_physical().conj()  # memory: the conjugates; the flag turns them back
+    return torch._neg_view(dense.neg())  # memory: the negatives
+
+
+def _flagged_views() -> dict[str, int]:
+    """Layout changes and collectives of conj / neg views, with and without one copy, equal the values."""
+    g = shardwise.get_default_group()
+    off = group_without_local_copy(g)
+    w, r = g.size, g.rank
+    places = [f"rank:{i}/cpu" for i in range(w)]
+    specs = [shardwise.ChunkShardingSpec(dim=d, placements=places) for d in (0, 1)]
+    before = _moved()
+    for group in (g, off):
+        for kind, dtype in (("conj", torch.complex64), ("neg", torch.float32), ("neg", torch.complex64)):
+            dense = torch.randn(64, 300, dtype=dtype, generator=torch.Generator().manual_seed(3))
+            view = _flagged(dense, kind)
+            assert (view.is_conj() or view.is_neg()) and torch.equal(view, dense)
+            st = shardwise.shard_tensor(view, specs[0], src_rank=w - 1, process_group=group)
+            for shard in st.local_shards():
+                assert torch.equal(shard.tensor, box(dense, shard.metadata)), (kind, "shard_tensor")
+            # Local shards that are flagged views, then reshard, gather and full_tensor.
+            md = st.metadata()
+            mine = [Shard(_flagged(box(dense, m).contiguous(), kind), m) for m in md.shards_metadata if m.rank == r]
+            flagged = ShardedTensor._init_from_local_shards_and_global_metadata(mine, md, process_group=group)
+            moved = flagged.reshard(specs[1])
+            for shard in moved.local_shards():
+                assert torch.equal(shard.tensor, box(dense, shard.metadata)), (kind, "reshard")
+            out = torch.empty_like(dense) if r == 0 else None
+            flagged.gather(dst=0, out=out)
+            assert out is None or torch.equal(out, dense), (kind, "gather")
+            assert torch.equal(flagged.full_tensor(), dense), (kind, "full_tensor")
+            # The group's own collectives.
+            rows = _flagged(dense[: 16 * (r + 1)].contiguous(), kind)
+            got = group.all_gather(rows)
+            assert all(torch.equal(t, dense[: 16 * (q + 1)]) for q, t in enumerate(got)), (kind, "all_gather")
+            got = group.all_to_all([rows] * w)
+            assert all(torch.equal(t, dense[: 16 * (q + 1)]) for q, t in enumerate(got)), (kind, "all_to_all")
+            pieces = [_flagged(dense[8 * q : 8 * q + 8].contiguous(), kind) for q in range(w)] if r == 0 else None
+            assert torch.equal(group.scatter(pieces, src=0), dense[8 * r : 8 * r + 8]), (kind, "scatter")
+    return {"moved": _moved() - before}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_conjugate_and_negative_views_move_their_values(world_size: int) -> None:
+    # Their memory holds other values than they show: a copy of the memory must not drop the flag.
+    for res in run(_flagged_views, world_size):
+        assert res["moved"] > 0
 
 
 def _only_on_one_host() -> dict[str, bool]:

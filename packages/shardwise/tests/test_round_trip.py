@@ -3,7 +3,7 @@
 Against the collectives it replaces: every rank's request equals an
 all-gather's, every box equals an all-to-all's, the gradient equals the
 all-to-all's backward; blocks that do not fit what their receivers expect,
-and a failed copy, raise on every rank; a group that cannot copy between
+and a failed copy (a read or a write), raise on every rank; a group that cannot copy between
 its ranks binds on no rank.
 """
 
@@ -134,6 +134,29 @@ def test_a_failed_write_raises_on_every_rank() -> None:
     for err, message in run(_write_fails_on_rank_0, 2):
         assert err == "PeerLostError", message
         assert "rank 0: ESRCH" in message and local_copy.LOCAL_COPY_ENV in message
+
+
+def _read_fails_on_rank_0() -> dict[str, Any]:
+    g = shardwise.get_default_group()
+    assert local_copy.usable(g)
+    if g.rank == 0:
+        local_copy._read_runs = lambda pid, runs: errno.EPERM  # type: ignore[assignment]
+    recv = [4, 4]
+    trip = sdk.RoundTrip(g, _request(g.rank, 3), torch.empty(8, dtype=torch.float64), recv)
+    assert trip.bind(g.agree(lambda: trip.fields, op="round trip", gather=True))
+    # The reader raises before it hands back ids it did not get; its peer from its answer.
+    gathered = outcome(lambda: trip.gather(torch.empty(6, dtype=torch.int64)))
+    answered = outcome(lambda: trip.answer(_blocks(g.rank, [4, 4]), [4, 4])) if gathered[0] == "ok" else None
+    return {"gathered": gathered, "answered": answered, "pinned": round_trip.pinned_count()}
+
+
+def test_a_failed_read_raises_on_every_rank_before_the_ids_are_used() -> None:
+    reader, peer = run(_read_fails_on_rank_0, 2)
+    assert reader["gathered"][0] == "PeerLostError" and "rank 0: EPERM" in reader["gathered"][1]
+    assert reader["answered"] is None
+    assert peer["gathered"] == ("ok", "")
+    assert peer["answered"][0] == "PeerLostError" and "rank 0: EPERM" in peer["answered"][1]
+    assert reader["pinned"] == peer["pinned"] == 0
 
 
 def _bad_box_on_rank_1() -> bool:

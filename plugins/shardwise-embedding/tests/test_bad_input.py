@@ -38,6 +38,7 @@ class Weights:
     col: ShardedTensor
     enumerable: ShardedTensor
     dim2: ShardedTensor
+    integer_col: ShardedTensor
 
 
 def make_weights() -> Weights:
@@ -52,6 +53,8 @@ def make_weights() -> Weights:
         col=shard_dense(dense, chunk_spec(1, [0, 1])),
         enumerable=shard_dense(dense, enumerable),
         dim2=shard_dense(cube, chunk_spec(2, [0, 1])),
+        # Every column on rank 0: rank 1 owns none, so only the pooling owner would meet the dtype.
+        integer_col=shard_dense(dense.long(), chunk_spec(1, [0, 0]), requires_grad=False),
     )
 
 
@@ -228,6 +231,9 @@ CASES: dict[str, Case] = {
         _bag_call(_bag, mode="max", scale_grad_by_freq=True), "ValueError", ("max",), culprit=None
     ),
     "bag_unknown_mode": Case(_bag_call(_bag, mode="median"), "ValueError", ("mode",), culprit=None),
+    "bag_integer_weight": Case(
+        _bag_call(_bag, "integer_col"), "RuntimeError", ("half, bfloat16, float, double",), culprit=None
+    ),
     "bag_modes_differ": Case(
         _bag_call(_bag, mode=None), "CollectiveMismatchError", ("mode",), culprit=None
     ),

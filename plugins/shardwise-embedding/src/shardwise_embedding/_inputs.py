@@ -141,6 +141,10 @@ def table_of(weight: Any, op: str) -> Table:
     return Table(weight, dim, int(rows), int(cols), tuple(shards), tuple(local), device)
 
 
+#: The weight dtypes the dense ``embedding_bag`` pools.
+_BAG_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 def options_of(
     table: Table,
     op: str,
@@ -157,7 +161,15 @@ def options_of(
         NotImplementedError: ``sparse=True``.
         ValueError: ``padding_idx`` outside the table, a bad ``max_norm``,
             ``norm_type`` or ``mode``.
+        RuntimeError: ``embedding_bag`` of a weight that is not floating
+            point (the dense op's error; raised here, before the ranks
+            agree, so that ranks owning no columns raise it too).
     """
+    if op == "embedding_bag" and table.weight.dtype not in _BAG_DTYPES:
+        raise RuntimeError(
+            f"{op}: expected the weight to have one of the following scalar types: Half, BFloat16, Float, Double; "
+            f"but got {table.weight.dtype}"
+        )
     if sparse:
         raise NotImplementedError(
             f"{op}: sparse=True is not supported for a sharded weight; each rank's gradient is a dense tensor "

@@ -29,13 +29,6 @@ __all__ = ["MIN_BYTES", "all_gather", "all_to_all", "gather", "scatter"]
 MIN_BYTES = 64 * 1024
 
 
-def _plain(*tensors: Optional[torch.Tensor]) -> bool:
-    """Whether every tensor is contiguous, dense CPU memory (None counts as fine)."""
-    return all(
-        t is None or (t.device.type == "cpu" and t.layout == torch.strided and t.is_contiguous()) for t in tensors
-    )
-
-
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     if not a.numel() or not b.numel():
         return False
@@ -80,7 +73,7 @@ def all_to_all(
     the few integers the ranks swap (default: ``group._all_gather``); the same for every function here.
     """
     item = inp.element_size()
-    ok = _plain(out, inp) and out.dtype == inp.dtype and not _overlap(out, inp)
+    ok = local_copy.copyable(out, inp) and out.dtype == inp.dtype and not _overlap(out, inp)
     send_at = _offsets(in_counts, item)
     recv_at = _offsets(out_counts, item)
 
@@ -112,7 +105,7 @@ def scatter(
     if sum(counts) * item < MIN_BYTES:
         return False
     at = _offsets(counts, item)
-    ok = _plain(out, inp) and (inp is None or (inp.dtype == out.dtype and not _overlap(out, inp)))
+    ok = local_copy.copyable(out, inp) and (inp is None or (inp.dtype == out.dtype and not _overlap(out, inp)))
 
     def reads(rows: list[list[int]]) -> list[tuple[int, torch.Tensor]]:
         me = group.rank
@@ -139,7 +132,7 @@ def gather(
     if sum(counts) * item < MIN_BYTES:
         return False
     at = _offsets(counts, item)
-    ok = _plain(out, inp) and (out is None or (inp.dtype == out.dtype and not _overlap(out, inp)))
+    ok = local_copy.copyable(out, inp) and (out is None or (inp.dtype == out.dtype and not _overlap(out, inp)))
 
     def reads(rows: list[list[int]]) -> list[tuple[int, torch.Tensor]]:
         if group.rank != dst:
@@ -167,7 +160,7 @@ def all_gather(
     me = group.rank
     # ``inp`` may be this rank's slot of ``out`` already (FSDP-style); any other overlap declines.
     in_slot = inp.numel() > 0 and inp.data_ptr() == _addr(out) + at[me]
-    ok = _plain(out, inp) and inp.dtype == out.dtype and (in_slot or not _overlap(out, inp))
+    ok = local_copy.copyable(out, inp) and inp.dtype == out.dtype and (in_slot or not _overlap(out, inp))
 
     def reads(rows: list[list[int]]) -> list[tuple[int, torch.Tensor]]:
         if not in_slot:

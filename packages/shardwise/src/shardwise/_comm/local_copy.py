@@ -62,6 +62,7 @@ __all__ = [
     "LOCAL_COPY_ENV",
     "Copy",
     "all_gather_ints",
+    "copyable",
     "enabled",
     "probe",
     "runs",
@@ -103,6 +104,25 @@ _readv: Optional[Callable[..., int]] = None
 _writev: Optional[Callable[..., int]] = None
 #: The probe's answer: None before it ran, "" when the syscall works, else why not.
 _probed: Optional[str] = None
+
+
+def copyable(*tensors: Optional[torch.Tensor]) -> bool:
+    """Whether a peer may copy each tensor's values as its bytes: contiguous, dense CPU memory (None is fine).
+
+    A conjugate or negative view is not: its memory holds the values before
+    the flag, which a copy of the memory would drop.
+    """
+    return all(
+        t is None
+        or (
+            t.device.type == "cpu"
+            and t.layout == torch.strided
+            and t.is_contiguous()
+            and not t.is_conj()
+            and not t.is_neg()
+        )
+        for t in tensors
+    )
 
 
 def enabled() -> bool:

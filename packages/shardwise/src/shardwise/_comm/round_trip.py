@@ -56,10 +56,6 @@ _MISMATCH = -1
 _pinned: weakref.WeakKeyDictionary[Any, list[tuple[torch.Tensor, torch.Tensor]]] = weakref.WeakKeyDictionary()
 
 
-def _plain(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" and t.layout == torch.strided and t.is_contiguous()
-
-
 def _dtype_code(dtype: torch.dtype) -> int:
     """The same integer for a dtype in every process (``str(dtype)`` hashed)."""
     return zlib.crc32(str(dtype).encode())
@@ -93,8 +89,8 @@ class RoundTrip:
             usable
             and local_copy.enabled()
             and len(self.recv) == group.size
-            and _plain(request)
-            and _plain(box)
+            and local_copy.copyable(request)
+            and local_copy.copyable(box)
             and sum(self.recv) == box.numel()
         )
         self.fields: list[int] = [0] * (_HEAD + group.size)
@@ -137,10 +133,18 @@ class RoundTrip:
         return [r[3] for r in self._rows]
 
     def gather(self, out: torch.Tensor) -> torch.Tensor:
-        """Every rank's request, in rank order, read into ``out`` (``sum(counts)`` elements, this dtype)."""
+        """Every rank's request, in rank order, read into ``out`` (``sum(counts)`` elements, this dtype).
+
+        Raises:
+            ValueError: ``out`` does not fit (on this rank, before any copy).
+            CollectiveMismatchError, PeerLostError: a read failed or did not
+                fit. This rank then runs the closing round at once, so that
+                it never works on a request it did not get; its peers raise
+                the same from :meth:`answer`.
+        """
         self._check_bound("gather")
         me = self.group.rank
-        if out.numel() != sum(self.counts) or out.dtype != self.request.dtype or not _plain(out):
+        if out.numel() != sum(self.counts) or out.dtype != self.request.dtype or not local_copy.copyable(out):
             raise ValueError(
                 f"RoundTrip.gather: out must be {sum(self.counts)} contiguous CPU elements of {self.request.dtype}"
             )
@@ -157,6 +161,8 @@ class RoundTrip:
                     runs = local_copy.runs([out.data_ptr() + at * item], [row[2]], [n * item])
                     self._err = local_copy._read_runs(row[1], runs)
             at += n
+        if self._err:
+            self._close()  # raises, on this rank now and on the peers at their closing round
         return out
 
     def answer(self, blocks: torch.Tensor, sent: Sequence[int]) -> torch.Tensor:

@@ -309,7 +309,7 @@ def _send_bytes(
 
 def _fits_direct(t: Optional[torch.Tensor], dtype: torch.dtype) -> bool:
     """Whether a peer may read (or write) ``t``'s memory as the plan's row-major boxes of ``dtype``."""
-    return t is not None and t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous() and t.dim() > 0
+    return t is not None and t.dtype == dtype and t.dim() > 0 and local_copy.copyable(t)
 
 
 def read_direct(
@@ -407,7 +407,9 @@ def match_sources(shards: Sequence[Shard], md: ShardedTensorMetadata, rank: int)
         key = (tuple(shard.metadata.shard_offsets), tuple(shard.metadata.shard_sizes))
         if not free.get(key):
             raise ValueError(f"local shard ({shard.metadata.describe()}) on rank {rank} is not in the metadata")
-        out[free[key].pop(0)] = shard.tensor
+        # A conjugate or negative view keeps its flag beside memory that holds the plain values; every
+        # path here moves memory (one copy, bytes on the wire), so the values are materialised first.
+        out[free[key].pop(0)] = shard.tensor.resolve_conj().resolve_neg()
     for (_, sizes), left in free.items():
         for i in left:
             if 0 not in sizes:
