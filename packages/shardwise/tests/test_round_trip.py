@@ -134,6 +134,7 @@ def test_a_failed_write_raises_on_every_rank() -> None:
     for err, message in run(_write_fails_on_rank_0, 2):
         assert err == "PeerLostError", message
         assert "rank 0: ESRCH" in message and local_copy.LOCAL_COPY_ENV in message
+        assert "peer process is gone" in message
 
 
 def _read_fails_on_rank_0() -> dict[str, Any]:
@@ -153,6 +154,7 @@ def _read_fails_on_rank_0() -> dict[str, Any]:
 def test_a_failed_read_raises_on_every_rank_before_the_ids_are_used() -> None:
     reader, peer = run(_read_fails_on_rank_0, 2)
     assert reader["gathered"][0] == "PeerLostError" and "rank 0: EPERM" in reader["gathered"][1]
+    assert "kernel refused to copy" in reader["gathered"][1]  # the cause its error number says
     assert reader["answered"] is None
     assert peer["gathered"] == ("ok", "")
     assert peer["answered"][0] == "PeerLostError" and "rank 0: EPERM" in peer["answered"][1]

@@ -184,6 +184,16 @@ def probe() -> Optional[str]:
     return _probed or None
 
 
+#: What a failed copy's error number says happened (the message's cause; others: a peer probably died).
+_CAUSES = {
+    errno_module.ESRCH: "The peer process is gone: it has probably died",
+    errno_module.EPERM: "The kernel refused to copy between the processes (ptrace access rules, such as Yama's "
+    "ptrace_scope, or ranks running as different users)",
+    errno_module.EFAULT: "An address was not mapped, or not writable, in one of the processes: a buffer freed, "
+    "resized or read-only while the call ran",
+}
+
+
 def _strerror(err: int) -> str:
     return f"{errno_module.errorcode.get(err, str(err))} ({os.strerror(err)})" if err else "short read"
 
@@ -375,9 +385,10 @@ def _settled(group: Group, name: str, errors: Sequence[int]) -> None:
     failed = [(r, e) for r, e in enumerate(errors) if e]
     if failed:
         where = ", ".join(f"rank {r}: {_strerror(e)}" for r, e in failed)
+        cause = _CAUSES.get(failed[0][1], "A peer has probably died")
         raise PeerLostError(
-            f"rank {group.rank} of {group.size}: {name} by cross-memory attach failed ({where}). A peer "
-            "has probably died; the group cannot be used any more. If the kernel refuses the copies, set "
+            f"rank {group.rank} of {group.size}: {name} by cross-memory attach failed ({where}). {cause}; the "
+            "group cannot be used any more. If the kernel refuses the copies, set "
             f"{LOCAL_COPY_ENV}=0 to use the backend's own transport."
         )
     stats[name] = stats.get(name, 0) + 1
