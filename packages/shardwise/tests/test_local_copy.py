@@ -24,7 +24,7 @@ from shardwise._comm import box_moves, local_collectives, local_copy
 from shardwise._comm.group import Group
 from shardwise.sharded_tensor import Shard, ShardedTensor
 
-from rank_helpers import box, group_without_local_copy, run
+from rank_helpers import box, group_without_local_copy, outcome, run
 
 ROW = 1024  # float32 elements per row: 4 KiB, so a few rows pass local_collectives.MIN_BYTES
 
@@ -227,6 +227,34 @@ def test_a_failed_copy_raises_on_every_rank(kind: str) -> None:
     for err, message in run(_copy_fails_on_rank_0, 2, kind):
         assert err == "PeerLostError", message
         assert "rank 0: ESRCH" in message and local_copy.LOCAL_COPY_ENV in message
+
+
+def _rank_0_raises_while_copying() -> dict[str, Any]:
+    g = shardwise.get_default_group()
+    spec = shardwise.ChunkShardingSpec(dim=0, placements=["rank:0/cpu", "rank:1/cpu"])
+    dense = torch.randn(1024, 1024, generator=torch.Generator().manual_seed(5))
+    shardwise.shard_tensor(dense, spec, src_rank=1, process_group=g)  # settle the verdict: one copy in use
+    real = box_moves.pushed_rows
+    if g.rank == 0:  # its list of copies fails, as a local copy out of memory would, after the ranks agreed
+
+        def explode(*args: Any, **kwargs: Any) -> Any:
+            raise MemoryError("no memory for the local copy")
+
+        box_moves.pushed_rows = explode  # type: ignore[assignment]
+    try:
+        err, message = outcome(lambda: shardwise.shard_tensor(dense, spec, src_rank=1, process_group=g))
+    finally:
+        box_moves.pushed_rows = real  # type: ignore[assignment]
+    # The ranks left the call together: the group still works.
+    again = shardwise.shard_tensor(dense, spec, src_rank=1, process_group=g).local_shards()[0]
+    return {"err": err, "message": message, "again": torch.equal(again.tensor, box(dense, again.metadata))}
+
+
+def test_a_rank_that_raises_while_copying_raises_its_error_and_its_peers_peer_error() -> None:
+    mine, peer = run(_rank_0_raises_while_copying, 2)
+    assert mine["err"] == "MemoryError" and "no memory" in mine["message"], mine
+    assert peer["err"] == "PeerError" and "rank(s) [0] raised" in peer["message"], peer
+    assert mine["again"] and peer["again"]
 
 
 # -- in one process ---------------------------------------------------------------------------------------

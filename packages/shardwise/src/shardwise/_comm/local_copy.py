@@ -53,7 +53,7 @@ import torch
 
 from shardwise._comm.hosts import this_host
 from shardwise._vocab.switches import switched_on
-from shardwise.errors import PeerLostError
+from shardwise.errors import PeerError, PeerLostError
 
 if TYPE_CHECKING:
     from shardwise._comm.group import Group
@@ -184,6 +184,9 @@ def probe() -> Optional[str]:
     return _probed or None
 
 
+#: The closing-round code of a rank whose own work raised during the copies (not an error number).
+_RAISED = -2
+
 #: What a failed copy's error number says happened (the message's cause; others: a peer probably died).
 _CAUSES = {
     errno_module.ESRCH: "The peer process is gone: it has probably died",
@@ -195,6 +198,8 @@ _CAUSES = {
 
 
 def _strerror(err: int) -> str:
+    if err == _RAISED:
+        return "raised an error of its own"
     return f"{errno_module.errorcode.get(err, str(err))} ({os.strerror(err)})" if err else "short read"
 
 
@@ -382,7 +387,14 @@ def _finish(group: Group, name: str, err: int) -> None:
 
 def _settled(group: Group, name: str, errors: Sequence[int]) -> None:
     """Every rank's error number of a finished call (the same list on each): raise if any failed, else count it."""
-    failed = [(r, e) for r, e in enumerate(errors) if e]
+    raised = [r for r, e in enumerate(errors) if e == _RAISED]
+    failed = [(r, e) for r, e in enumerate(errors) if e and e != _RAISED]
+    if raised and not failed:
+        # Every rank got through the closing round: the group is still in step, only this call failed.
+        raise PeerError(
+            f"rank {group.rank} of {group.size}: {name} by cross-memory attach: rank(s) {raised} raised an error "
+            "of their own during the copies (they raise it); no rank's result of this call is valid"
+        )
     if failed:
         where = ", ".join(f"rank {r}: {_strerror(e)}" for r, e in failed)
         cause = _CAUSES.get(failed[0][1], "A peer has probably died")
@@ -429,12 +441,15 @@ def transfer(
     """Collective: run one call by cross-memory attach; False (on every rank) to take the backend's path.
 
     Agrees (the first all-gather of ``[ok, pid, *fields]``), lets ``copies``
-    list this rank's copies from the gathered rows (it may run collectives of
-    its own through :func:`all_gather_ints`, and local copies), makes them,
-    and finishes (the all-gather of errors that is also the barrier).
+    list this rank's copies from the gathered rows (and make its local
+    copies; it must not communicate), makes them, and finishes (the
+    all-gather of errors that is also the barrier).
 
     Raises:
         PeerLostError: on every rank, when a copy failed on any.
+        PeerError: a peer's ``copies`` raised (a local copy out of
+            memory); that rank raises its own error, after the closing
+            round, instead of leaving its peers in that round.
     """
     state = _usable(group, exchange)
     if state is None:
@@ -445,8 +460,16 @@ def transfer(
         if rows is None:
             return False
         err = 0
-        for copy in copies(rows):
-            err = err or (_write_runs if copy.write else _read_runs)(copy.pid, copy.runs)
+        try:
+            for copy in copies(rows):
+                err = err or (_write_runs if copy.write else _read_runs)(copy.pid, copy.runs)
+        except Exception:
+            # Into the closing round with a code, so the peers raise too; then this rank's own error.
+            try:
+                _finish(group, name, _RAISED)
+            except (PeerError, PeerLostError):
+                pass
+            raise
         _finish(group, name, err)
         return True
     finally:
