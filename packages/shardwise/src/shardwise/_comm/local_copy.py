@@ -40,6 +40,7 @@ calls moved here (tests read it).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno as errno_module
 import hashlib
@@ -198,8 +199,6 @@ _CAUSES = {
 
 
 def _strerror(err: int) -> str:
-    if err == _RAISED:
-        return "raised an error of its own"
     return f"{errno_module.errorcode.get(err, str(err))} ({os.strerror(err)})" if err else "short read"
 
 
@@ -464,11 +463,10 @@ def transfer(
             for copy in copies(rows):
                 err = err or (_write_runs if copy.write else _read_runs)(copy.pid, copy.runs)
         except Exception:
-            # Into the closing round with a code, so the peers raise too; then this rank's own error.
-            try:
-                _finish(group, name, _RAISED)
-            except (PeerError, PeerLostError):
-                pass
+            # Into the closing round with a code, so the peers raise too; then this rank's own error
+            # (also when that round fails: a peer lost too).
+            with contextlib.suppress(PeerLostError):
+                all_gather_ints(group, [_RAISED])
             raise
         _finish(group, name, err)
         return True
