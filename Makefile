@@ -104,7 +104,11 @@ demo-recsys: install
 #   (cross-memory.md).
 # - gloo_rounds.py, on 2 and 4 ranks: what one round of gloo costs by how the
 #   ranks swap small rows (ring all-gather, all-to-all, shardwise's choice)
-#   (gloo-rounds-<N>ranks.md).
+#   (gloo-rounds-<N>ranks.md);
+# - copy_bounds.py, on 2 and 4 ranks: the copies of the scatter, gather and
+#   reshard rows alone (no agreement, rounds or bookkeeping) at their best
+#   split, beside shardwise and raw mpi4py: what bounds the movement targets
+#   (copy-bounds-<N>ranks.md).
 # `make bench-core RANKS=4` runs bench.py alone.
 RANKS ?= 2
 BENCH_RESULTS := benchmarks/results
@@ -118,6 +122,8 @@ bench: install
 	$(BIN)/python benchmarks/cross_memory.py
 	$(BIN)/mpiexec -n 2 $(BIN)/python benchmarks/gloo_rounds.py
 	$(BIN)/mpiexec -n 4 $(BIN)/python benchmarks/gloo_rounds.py
+	$(BIN)/mpiexec -n 2 $(BIN)/python benchmarks/copy_bounds.py
+	$(BIN)/mpiexec -n 4 $(BIN)/python benchmarks/copy_bounds.py
 	$(BIN)/python benchmarks/targets.py $(BENCH_RESULTS)/bench-2ranks.md $(BENCH_RESULTS)/bench-4ranks.md \
 		$(BENCH_RESULTS)/dtensor-2ranks.md $(BENCH_RESULTS)/dtensor-4ranks.md \
 		$(BENCH_RESULTS)/pipeline-2ranks.md $(BENCH_RESULTS)/scale.md

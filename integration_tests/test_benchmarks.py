@@ -100,6 +100,24 @@ def test_gloo_rounds_benchmark_times_the_three_ways_to_swap_rows(tmp_path: Path)
     assert all(float(ms) > 0 for row in rows for ms in row[1:]), text
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="cross-memory attach is Linux only")
+def test_copy_bounds_benchmark_checks_and_times_every_split(tmp_path: Path) -> None:
+    # Every split's copies are checked against the dense tensor before timing (a wrong one fails the run).
+    out = mpiexec(BENCHMARKS / "copy_bounds.py", 2, "--smoke", "--out", str(tmp_path))
+    text = (tmp_path / "copy-bounds-2ranks.md").read_text()
+    assert text in out
+    names = ("scatter 64 KiB", "gather to rank 0 64 KiB", "reshard dim 0 <-> 1 64 KiB")
+    _, table, _, splits, _, bounds = text.split("\n\n")
+    rows = [line.split(" | ") for line in table.splitlines()[2:]]
+    assert [row[0] for row in rows] == [f"| {name}" for name in names] and all(len(r) == 9 for r in rows), text
+    split_rows = [line.split(" | ") for line in splits.splitlines()[2:]]
+    assert [row[0] for row in split_rows] == [f"| {name}" for name in names[:2]], text
+    assert all(float(ms.rstrip(" |")) > 0 for row in split_rows for ms in row[1:]) and len(split_rows[0]) == 10, text
+    verdicts = re.findall(r"^- (.+?): the copies alone take [0-9.]+ ms; .*(?:within reach|out of reach here)", bounds,
+                          flags=re.MULTILINE)  # fmt: skip
+    assert verdicts == list(names), text
+
+
 @pytest.fixture
 def chart(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     """benchmarks/_chart.py, imported as the benchmarks import it (their directory on sys.path)."""

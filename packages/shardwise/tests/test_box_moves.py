@@ -37,7 +37,7 @@ def _cuts(
         box_moves.shares([b for b in boxes if me in (b.src_rank, b.dst_rank)], me, local[me], 1, n_src, n_dst)
         for me in range(world)
     ]
-    everyone = box_moves.loads(torch.tensor(rows), torch.tensor(src_huge), torch.tensor(dst_huge))
+    everyone = box_moves.loads(rows, src_huge, dst_huge)
     return [box_moves.pushed_rows(b, everyone) for b in boxes], everyone
 
 

@@ -247,28 +247,34 @@ class Loads(NamedTuple):
     write_take: int
 
 
-def loads(rows: torch.Tensor, src_huge: torch.Tensor, dst_huge: torch.Tensor) -> list[Loads]:
+def loads(rows: Sequence[Sequence[int]], src_huge: Sequence[int], dst_huge: Sequence[int]) -> list[Loads]:
     """Every rank's :class:`Loads` from the published :func:`shares` (one row per rank) and page sizes.
 
+    Plain integers: the table is a few dozen numbers a rank, where each
+    tensor op would cost more than the whole sum (this runs inside every
+    one-copy call, on every rank).
+
     Args:
-        rows: ``(ranks, len(shares))`` int64.
+        rows: One row per rank, as :func:`shares` returns it.
         src_huge: Whether each source shard is on huge pages (0/1, by shard index).
         dst_huge: The same for each target shard.
     """
-    n_src, n_dst = src_huge.numel(), dst_huge.numel()
+    n_src, n_dst = len(src_huge), len(dst_huge)
+    src_price = [1 if huge else SMALL_PAGE_COST for huge in src_huge]
+    dst_price = [1 if huge else SMALL_PAGE_COST for huge in dst_huge]
 
-    def priced(at: int, n: int, huge: torch.Tensor, iov: int) -> torch.Tensor:
-        per_byte = torch.where(huge > 0, 1, SMALL_PAGE_COST).to(torch.int64)
-        return (rows[:, at : at + n] * per_byte).sum(1) + rows[:, iov] * IOVEC_COST
+    def priced(row: Sequence[int], at: int, price: Sequence[int], iov: int) -> int:
+        return sum(n * p for n, p in zip(row[at : at + len(price)], price, strict=True)) + row[iov] * IOVEC_COST
 
-    at = _SCALARS
-    read_shed = priced(at, n_src, src_huge, _IOV_READ_SHED)
-    write_take = priced(at + n_src, n_src, src_huge, _IOV_WRITE_TAKE)
-    read_take = priced(at + 2 * n_src, n_dst, dst_huge, _IOV_READ_TAKE)
-    write_shed = priced(at + 2 * n_src + n_dst, n_dst, dst_huge, _IOV_WRITE_SHED)
-    work = rows[:, _LOCAL] + read_shed + write_shed
-    table = torch.stack([work, read_shed, read_take, write_shed, write_take], dim=1).tolist()
-    return [Loads(*r) for r in table]
+    table = []
+    for row in rows:
+        at = _SCALARS
+        read_shed = priced(row, at, src_price, _IOV_READ_SHED)
+        write_take = priced(row, at + n_src, src_price, _IOV_WRITE_TAKE)
+        read_take = priced(row, at + 2 * n_src, dst_price, _IOV_READ_TAKE)
+        write_shed = priced(row, at + 2 * n_src + n_dst, dst_price, _IOV_WRITE_SHED)
+        table.append(Loads(row[_LOCAL] + read_shed + write_shed, read_shed, read_take, write_shed, write_take))
+    return table
 
 
 def pushed_rows(box: BoxMove, everyone: Sequence[Loads]) -> int:
@@ -339,10 +345,12 @@ def move_boxes(
     fields += shares(boxes, me, local_bytes, item, n_src, n_dst)
 
     def copies(rows: list[list[int]]) -> list[local_copy.Copy]:
-        table = torch.tensor(rows, dtype=torch.int64, device="cpu")[:, 2:]
-        addr_src, addr_dst = table[:, :n_src].sum(0).tolist(), table[:, n_src : n_src + n_dst].sum(0).tolist()
-        huge = table[:, n_src + n_dst : 2 * (n_src + n_dst)].sum(0)
-        everyone = loads(table[:, 2 * (n_src + n_dst) :], huge[:n_src], huge[n_src:])
+        # Each rank filled only its own shards' entries (zeros elsewhere): a column's sum is its owner's value.
+        table = [row[2:] for row in rows]
+        summed = [sum(column) for column in zip(*(row[: 2 * (n_src + n_dst)] for row in table), strict=True)]
+        addr_src, addr_dst = summed[:n_src], summed[n_src : n_src + n_dst]
+        huge = summed[n_src + n_dst :]
+        everyone = loads([row[2 * (n_src + n_dst) :] for row in table], huge[:n_src], huge[n_src:])
         meanwhile()
         per_peer: dict[tuple[int, bool], list[torch.Tensor]] = {}
         for b in boxes:
