@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
 
 import shardwise
-from shardwise._comm.agreement import AGREED_ERRORS, CallLabel, labelled, peer_error
+from shardwise._comm.agreement import AGREED_ERRORS, CallLabel, inline_capacity, labelled, peer_error
+from shardwise._tensor.scatter import _local_payload
+from shardwise._vocab import wire as _wire
 from shardwise.errors import PeerError
 from shardwise.sdk import AGREED_ERRORS as SDK_AGREED_ERRORS
 
@@ -83,6 +85,58 @@ def test_agree_on_ranks() -> None:
         assert seen["reject"][0] == ("KeyError" if r == 1 else "PeerError"), seen["reject"]
         assert seen["unverified"][0] == ("IndexError" if r == 1 else "PeerError"), seen["unverified"]
         assert seen["after"] == 3.0
+
+
+def _counted(g: Any, name: str, fn: Callable[[], Any]) -> int:
+    """How many times ``fn`` calls ``g``'s method ``name``."""
+    made = [0]
+    inner = getattr(g, name)
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        made[0] += 1
+        return inner(*args, **kwargs)
+
+    setattr(g, name, counted)
+    try:
+        fn()
+    finally:
+        delattr(g, name)
+    return made[0]
+
+
+def rounds_battery() -> dict[str, Any]:
+    g = shardwise.get_default_group()
+    room = inline_capacity(g.size)
+    ranks = [f"rank:{r}/cpu" for r in range(g.size)]
+    whole = torch.ones(8, 6, 4, requires_grad=True)
+    spec = shardwise.ChunkShardingSpec(dim=2, placements=ranks)
+    holder: list[Any] = []
+
+    def agreed(fn: Callable[[], Any]) -> int:
+        # A payload too big for the handshake row travels in a second all-gather (Group._gather_bytes).
+        return _counted(g, "_gather_bytes", fn)
+
+    return {
+        "room": room,
+        # A JSON string is its text and two quotes.
+        "fits": _counted(g, "_all_gather", lambda: g.agree(lambda: "x" * (room - 2), op="o", gather=True)),
+        "over": _counted(g, "_all_gather", lambda: g.agree(lambda: "x" * (room - 1), op="o", gather=True)),
+        "payload": len(_wire.encode_json(_local_payload(whole, spec, 0, g) | {"devices_checked": True})),
+        # What the data-movement calls agree on (a spec and the tensor's properties) fits in the row.
+        "shard_tensor": agreed(lambda: holder.append(shardwise.shard_tensor(whole, spec))),
+        "reshard": agreed(lambda: holder[0].reshard(shardwise.ChunkShardingSpec(dim=0, placements=ranks))),
+        "gather": agreed(lambda: holder[0].gather(dst=0, out=torch.empty(8, 6, 4) if g.rank == 0 else None)),
+    }
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_data_movement_agreements_take_one_collective(world: int) -> None:
+    # The spec and tensor properties shard_tensor agrees on (about 300 bytes) used to exceed a small group's row
+    # (160 bytes at 2 ranks) and take a second all-gather; every row now has room for 512 bytes.
+    for seen in _run(rounds_battery, world):
+        assert seen["room"] >= 512 and seen["payload"] <= seen["room"], seen
+        assert seen["fits"] == 1 and seen["over"] == 2, seen
+        assert seen["shard_tensor"] == seen["reshard"] == seen["gather"] == 0, seen
 
 
 def test_one_table_and_one_wording() -> None:

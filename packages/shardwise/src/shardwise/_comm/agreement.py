@@ -81,9 +81,20 @@ NO_TENSOR = -1
 _OTHER = len(AGREED_ERRORS) + 1  # status of an error of no listed kind
 
 
+#: The fewest words a row has beyond its header. The agreements of ``shard_tensor`` and ``reshard`` carry a
+#: spec and the tensor's properties, 200-300 bytes of JSON, which the dims and splits words of a small group
+#: (160 bytes at 2 ranks) cannot hold: they then cost a second collective. 64 words hold them; a larger
+#: group's rows are wider than that anyway.
+_MIN_BODY = 64
+
+
+def _body_words(size: int) -> int:
+    return max(_MAX_DIMS + 2 * size, _MIN_BODY)
+
+
 def inline_capacity(size: int) -> int:
     """Bytes a row of a group of ``size`` ranks carries beyond its header (the dims and splits words)."""
-    return 8 * (_MAX_DIMS + 2 * size)
+    return 8 * _body_words(size)
 
 
 @dataclass
@@ -107,7 +118,7 @@ class Call:
     inline: bytes = b""
 
     def encode(self, size: int) -> list[int]:
-        row = [0] * (_HEADER + _MAX_DIMS + 2 * size)
+        row = [0] * (_HEADER + _body_words(size))
         row[0] = _OPS.index(self.op)
         row[1] = _wire.dtype_code(self.dtype) if self.dtype is not None else NO_TENSOR
         row[2] = self.status
