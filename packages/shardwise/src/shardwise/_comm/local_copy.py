@@ -213,11 +213,16 @@ def runs(local: Sequence[int], remote: Sequence[int], nbytes: Sequence[int]) -> 
 
 def _segments(addr: torch.Tensor, nbytes: torch.Tensor) -> torch.Tensor:
     """``(addr, nbytes)`` runs as an ``(m, 2)`` iovec table, runs that continue one another merged."""
-    starts = torch.ones(addr.shape[0], dtype=torch.bool, device="cpu")
-    starts[1:] = addr[1:] != addr[:-1] + nbytes[:-1]
-    which = starts.cumsum(0) - 1
-    lengths = torch.zeros(int(which[-1]) + 1, dtype=torch.int64, device="cpu").index_add_(0, which, nbytes)
-    return torch.stack([addr[starts], lengths], dim=1)
+    if addr.shape[0] > 1:
+        starts = addr[1:] != addr[:-1] + nbytes[:-1]
+        # Small tables are the common case, and each tensor op costs microseconds: merge only when some run
+        # continues the one before.
+        if not bool(starts.all()):
+            starts = torch.cat([torch.ones(1, dtype=torch.bool, device="cpu"), starts])
+            which = starts.cumsum(0) - 1
+            lengths = torch.zeros(int(which[-1]) + 1, dtype=torch.int64, device="cpu").index_add_(0, which, nbytes)
+            return torch.stack([addr[starts], lengths], dim=1)
+    return torch.stack([addr, nbytes], dim=1)
 
 
 def _window(segs: torch.Tensor, ends: torch.Tensor, begin: int, end: int) -> torch.Tensor:
@@ -258,11 +263,19 @@ def _stream(fn: Callable[..., int], pid: int, runs: torch.Tensor) -> int:
     sides are one stream of bytes, cut into calls of at most ``_IOV_MAX``
     iovecs a side; a partial read resumes at the first byte not read.
     """
-    if runs.shape[0] == 0:
+    total = int(runs[:, 2].sum()) if runs.shape[0] else 0
+    if total == 0:
         return 0
     local, remote = _segments(runs[:, 0], runs[:, 2]), _segments(runs[:, 1], runs[:, 2])
+    done = 0
+    if local.shape[0] <= _IOV_MAX and remote.shape[0] <= _IOV_MAX:
+        # Both sides fit one call (the common case): no windows to cut. A partial copy resumes below.
+        done = fn(pid, local.data_ptr(), local.shape[0], remote.data_ptr(), remote.shape[0], 0)
+        if done <= 0:
+            return (ctypes.get_errno() or errno_module.EIO) if done < 0 else errno_module.EFAULT
+        if done == total:
+            return 0
     local_ends, remote_ends = local[:, 1].cumsum(0), remote[:, 1].cumsum(0)
-    total, done = int(local_ends[-1]), 0
     while done < total:
         # The call stops where either side runs out of iovecs.
         first_l = int(torch.searchsorted(local_ends, done, right=True))
