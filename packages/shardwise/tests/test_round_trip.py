@@ -173,3 +173,35 @@ def _bad_box_on_rank_1() -> bool:
 
 def test_a_rank_that_cannot_offer_the_path_makes_no_rank_take_it() -> None:
     assert run(_bad_box_on_rank_1, 2) == [(False, "RuntimeError")] * 2
+
+
+def _abandoned_by_rank_0() -> dict[str, Any]:
+    g = shardwise.get_default_group()
+    recv = [4, 4]
+    trip = sdk.RoundTrip(g, _request(g.rank, 3), torch.empty(8, dtype=torch.float64), recv)
+    assert trip.bind(g.agree(lambda: trip.fields, op="round trip", gather=True))
+    trip.gather(torch.empty(6, dtype=torch.int64))
+
+    def work_then_answer() -> torch.Tensor:
+        try:
+            if g.rank == 0:
+                raise MemoryError("no room for the blocks")
+            return trip.answer(_blocks(g.rank, [4, 4]), [4, 4])
+        except BaseException:
+            trip.abandon()
+            raise
+
+    seen = outcome(work_then_answer)
+    trip.abandon()  # closed already: nothing runs, so no rank waits in a round of its own
+    unbound = sdk.RoundTrip(g, _request(g.rank, 3), torch.empty(7, dtype=torch.float64), recv)
+    unbound.abandon()  # never bound: nothing to close
+    # The group is in step: a collective after it meets every rank.
+    total = float(g.all_reduce(torch.ones(1)).item())
+    return {"seen": seen, "pinned": round_trip.pinned_count(), "after": total}
+
+
+def test_a_rank_that_abandons_raises_its_error_and_its_peers_peer_error() -> None:
+    raiser, peer = run(_abandoned_by_rank_0, 2)
+    assert raiser["seen"] == ("MemoryError", "no room for the blocks")
+    assert peer["seen"][0] == "PeerError" and "rank(s) [0] raised an error of their own" in peer["seen"][1]
+    assert raiser["pinned"] == peer["pinned"] == 0 and raiser["after"] == peer["after"] == 2.0

@@ -18,10 +18,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from emb_helpers import dense_weight, random_ids, run
+from shardwise_embedding import _colwise
 
 import shardwise
 from shardwise import ShardedTensor
-from shardwise._comm import local_copy
+from shardwise._comm import local_copy, round_trip
 from shardwise._comm.group import Group
 from shardwise.sharding_spec import ChunkShardingSpec
 
@@ -97,3 +98,54 @@ def test_column_wise_lookups_take_two_rounds_and_equal_the_collectives_path(worl
         assert res["bag trips"] == 1 and res["lookup trips"] == 1, res
         assert res["bag rounds"] == 2 and res["lookup rounds"] == 2, res
         assert res["plain trips"] == 0, res
+
+
+def _one_rank_raises_while_pooling(faulty: int) -> dict[str, Any]:
+    g = shardwise.get_default_group()
+    dense = dense_weight(V, D, 3)
+    weight = shardwise.shard_tensor(dense.clone(), _columns(g.size), process_group=g)
+    ids = random_ids(V, (11, 4), 3, g.rank)
+    out: dict[str, Any] = {}
+    for name, target, op in (
+        ("bag", "pool_rows", lambda: F.embedding_bag(ids, weight, mode="sum")),
+        ("lookup", "take_rows", lambda: F.embedding(ids, weight)),
+    ):
+        real = getattr(_colwise, target)
+
+        def fail(*args: Any, real: Callable[..., Any] = real, **kwargs: Any) -> Any:
+            if g.rank == faulty:
+                raise MemoryError(f"no room to pool on rank {faulty}")
+            return real(*args, **kwargs)
+
+        setattr(_colwise, target, fail)
+        try:
+            op()
+            out[name] = ("ok", "")
+        except Exception as exc:  # noqa: BLE001 - every rank's error is the finding
+            out[name] = (type(exc).__name__, str(exc))
+        finally:
+            setattr(_colwise, target, real)
+        out[f"{name} pinned"] = round_trip.pinned_count()
+        # The group is still in step: the same call now succeeds on every rank, by the same path.
+        before = local_copy.stats.get("round_trip", 0)
+        out[f"{name} after"] = torch.equal(op(), F.embedding_bag(ids, dense, mode="sum") if name == "bag"
+                                           else F.embedding(ids, dense))  # fmt: skip
+        out[f"{name} trips after"] = local_copy.stats.get("round_trip", 0) - before
+    return out
+
+
+@pytest.mark.parametrize(("world_size", "faulty"), [(2, 0), (3, 2)])
+def test_a_rank_that_raises_before_answering_raises_its_error_and_its_peers_peer_error(
+    world_size: int, faulty: int
+) -> None:
+    # A rank whose own work raised after the round trip was bound used to leave its peers in the closing
+    # round until the timeout; it now closes the round trip before raising.
+    for rank, res in enumerate(run(_one_rank_raises_while_pooling, world_size, faulty)):
+        for name in ("bag", "lookup"):
+            kind, message = res[name]
+            if rank == faulty:
+                assert (kind, message) == ("MemoryError", f"no room to pool on rank {faulty}"), res
+            else:
+                assert kind == "PeerError" and f"rank(s) [{faulty}] raised an error of their own" in message, res
+            assert res[f"{name} pinned"] == 0, res
+            assert res[f"{name} after"] is True and res[f"{name} trips after"] == 1, res

@@ -16,8 +16,9 @@ all. The backward is the all-to-all's.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +31,7 @@ from shardwise_embedding._take import place_columns, pool_rows, take_rows
 
 __all__ = [
     "answer_box",
+    "answering",
     "assemble_columns",
     "bag_colwise",
     "gather_uneven",
@@ -37,6 +39,23 @@ __all__ = [
     "renorm_columns",
     "serve_columns",
 ]
+
+
+@contextlib.contextmanager
+def answering(trip: Optional[sdk.RoundTrip]) -> Iterator[None]:
+    """Run this rank's own work up to its answer; if it raises, close ``trip`` first so no peer waits for it.
+
+    Enter it after the call's last collective before the answer: the peers
+    then meet the closing round that :meth:`~shardwise.sdk.RoundTrip.abandon`
+    runs in their own :meth:`~shardwise.sdk.RoundTrip.answer`, and raise
+    :class:`~shardwise.errors.PeerError` there.
+    """
+    try:
+        yield
+    except BaseException:
+        if trip is not None:
+            trip.abandon()
+        raise
 
 
 def gather_uneven(group: Group, tensor: torch.Tensor, counts: list[int]) -> list[torch.Tensor]:
@@ -156,17 +175,18 @@ def lookup_colwise(
     """
     if opts.max_norm is not None:
         renorm_columns(group, table, opts, all_ids)
-    scale: Optional[torch.Tensor] = None
-    if opts.scale_grad_by_freq and all_freq is not None and all_ids.numel():
-        seen, where = torch.unique(all_ids, return_inverse=True)
-        total = torch.zeros(seen.numel(), dtype=torch.int64, device=seen.device).index_add_(0, where, all_freq)
-        scale = 1.0 / total[where].to(table.weight.dtype)
-    local_rows = []
-    for _, _, shard in table.local:
-        rows = take_rows(shard, all_ids, opts.padding_idx)
-        local_rows.append(rows if scale is None else scale_grad(rows, scale))
-    flat, sent = serve_columns(table, local_rows, counts)
-    return assemble_columns(group, table, flat, sent, counts[group.rank], trip)
+    with answering(trip):
+        scale: Optional[torch.Tensor] = None
+        if opts.scale_grad_by_freq and all_freq is not None and all_ids.numel():
+            seen, where = torch.unique(all_ids, return_inverse=True)
+            total = torch.zeros(seen.numel(), dtype=torch.int64, device=seen.device).index_add_(0, where, all_freq)
+            scale = 1.0 / total[where].to(table.weight.dtype)
+        local_rows = []
+        for _, _, shard in table.local:
+            rows = take_rows(shard, all_ids, opts.padding_idx)
+            local_rows.append(rows if scale is None else scale_grad(rows, scale))
+        flat, sent = serve_columns(table, local_rows, counts)
+        return assemble_columns(group, table, flat, sent, counts[group.rank], trip)
 
 
 def bag_colwise(
@@ -189,31 +209,34 @@ def bag_colwise(
             all_weights = torch.cat(gather_uneven(group, weights, [n for n, _ in sizes]))
     if opts.max_norm is not None:
         renorm_columns(group, table, opts, all_ids)
-    bag_counts = [b for _, b in sizes]
-    nbags = all_lengths.numel()
-    divisor: Optional[torch.Tensor] = None
-    if opts.mode == "mean":
-        divisor = all_lengths
-        if opts.padding_idx is not None:
-            bag = torch.repeat_interleave(torch.arange(nbags, device=all_lengths.device), all_lengths)
-            divisor = torch.bincount(bag[all_ids != opts.padding_idx], minlength=nbags)
-        divisor = divisor.clamp(min=1).unsqueeze(1)
-    local_rows = []
-    for _, _, shard in table.local:
-        if opts.mode == "max":
-            starts = all_lengths.cumsum(0) - all_lengths
-            pooled = F.embedding_bag(all_ids, shard, starts, mode="max", padding_idx=opts.padding_idx)
-        elif opts.scale_grad_by_freq:
-            bag = torch.repeat_interleave(torch.arange(nbags, device=all_lengths.device), all_lengths)
-            pooled = pool_by_frequency(all_ids, shard, bag, nbags, all_weights, opts.padding_idx, None, opts.norm_type)
-        else:
-            pooled = pool_rows(shard, all_ids, all_lengths, all_weights, opts.padding_idx)
-        if divisor is not None:
-            pooled = pooled / divisor.to(pooled.dtype)
-        local_rows.append(pooled)
-    flat, sent = serve_columns(table, local_rows, bag_counts)
-    if all_weights is not None and all_weights.requires_grad and not table.local:
-        # Tie the gathered weights into this rank's graph (with zero gradient) so
-        # that it joins their backward collective, which its peers will enter.
-        flat = flat + all_weights.sum() * 0
-    return assemble_columns(group, table, flat, sent, bag_counts[group.rank], trip)
+    with answering(trip):
+        bag_counts = [b for _, b in sizes]
+        nbags = all_lengths.numel()
+        divisor: Optional[torch.Tensor] = None
+        if opts.mode == "mean":
+            divisor = all_lengths
+            if opts.padding_idx is not None:
+                bag = torch.repeat_interleave(torch.arange(nbags, device=all_lengths.device), all_lengths)
+                divisor = torch.bincount(bag[all_ids != opts.padding_idx], minlength=nbags)
+            divisor = divisor.clamp(min=1).unsqueeze(1)
+        local_rows = []
+        for _, _, shard in table.local:
+            if opts.mode == "max":
+                starts = all_lengths.cumsum(0) - all_lengths
+                pooled = F.embedding_bag(all_ids, shard, starts, mode="max", padding_idx=opts.padding_idx)
+            elif opts.scale_grad_by_freq:
+                bag = torch.repeat_interleave(torch.arange(nbags, device=all_lengths.device), all_lengths)
+                pooled = pool_by_frequency(
+                    all_ids, shard, bag, nbags, all_weights, opts.padding_idx, None, opts.norm_type
+                )
+            else:
+                pooled = pool_rows(shard, all_ids, all_lengths, all_weights, opts.padding_idx)
+            if divisor is not None:
+                pooled = pooled / divisor.to(pooled.dtype)
+            local_rows.append(pooled)
+        flat, sent = serve_columns(table, local_rows, bag_counts)
+        if all_weights is not None and all_weights.requires_grad and not table.local:
+            # Tie the gathered weights into this rank's graph (with zero gradient) so
+            # that it joins their backward collective, which its peers will enter.
+            flat = flat + all_weights.sum() * 0
+        return assemble_columns(group, table, flat, sent, bag_counts[group.rank], trip)

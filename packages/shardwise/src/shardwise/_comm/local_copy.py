@@ -61,6 +61,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LOCAL_COPY_ENV",
+    "RAISED",
     "Copy",
     "all_gather_ints",
     "copyable",
@@ -185,8 +186,8 @@ def probe() -> Optional[str]:
     return _probed or None
 
 
-#: The closing-round code of a rank whose own work raised during the copies (not an error number).
-_RAISED = -2
+#: The closing-round code of a rank whose own work raised during the copies or a round trip (not an error number).
+RAISED = -2
 
 #: What a failed copy's error number says happened (the message's cause; others: a peer probably died).
 _CAUSES = {
@@ -399,8 +400,8 @@ def _finish(group: Group, name: str, err: int) -> None:
 
 def _settled(group: Group, name: str, errors: Sequence[int]) -> None:
     """Every rank's error number of a finished call (the same list on each): raise if any failed, else count it."""
-    raised = [r for r, e in enumerate(errors) if e == _RAISED]
-    failed = [(r, e) for r, e in enumerate(errors) if e and e != _RAISED]
+    raised = [r for r, e in enumerate(errors) if e == RAISED]
+    failed = [(r, e) for r, e in enumerate(errors) if e and e != RAISED]
     if raised and not failed:
         # Every rank got through the closing round: the group is still in step, only this call failed.
         raise PeerError(
@@ -479,7 +480,7 @@ def transfer(
             # Into the closing round with a code, so the peers raise too; then this rank's own error
             # (also when that round fails: a peer lost too).
             with contextlib.suppress(PeerLostError):
-                all_gather_ints(group, [_RAISED])
+                all_gather_ints(group, [RAISED])
             raise
         _finish(group, name, err)
         return True

@@ -27,10 +27,16 @@ Protocol:
 Between 2 and 4 the caller may run other collectives on the group. The
 request and box stay referenced by the group until a closing round passes,
 so a rank that raised in between leaves no peer writing into freed memory.
+When a rank's own work raises after the caller's last collective before 4
+(a pooling that runs out of memory), it calls :meth:`RoundTrip.abandon`
+and re-raises: abandon runs the closing round with a code, so its peers
+raise :class:`~shardwise.errors.PeerError` from :meth:`RoundTrip.answer`
+instead of waiting for it there.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import weakref
 import zlib
@@ -40,7 +46,7 @@ import torch
 
 from shardwise._comm import local_copy
 from shardwise._comm.autograd import _AllToAllSingle
-from shardwise.errors import CollectiveMismatchError
+from shardwise.errors import CollectiveMismatchError, PeerError, PeerLostError
 
 if TYPE_CHECKING:
     from shardwise._comm.group import Group
@@ -107,6 +113,7 @@ class RoundTrip:
             ]
         self._rows: list[list[int]] = []
         self._bound = False
+        self._open = False  # bound, and its closing round not run yet
         self._err = 0
 
     def bind(self, rows: Sequence[Sequence[int]]) -> bool:
@@ -119,7 +126,7 @@ class RoundTrip:
         if len(self._rows) != self.group.size or not all(len(r) == width and r[0] == 1 for r in self._rows):
             return False
         _pinned.setdefault(self.group._communicator(), []).append((self.request, self.box))
-        self._bound = True
+        self._bound = self._open = True
         return True
 
     @property
@@ -207,6 +214,34 @@ class RoundTrip:
         rows = (self.recv, sent)
         return cast(torch.Tensor, _AllToAllSingle.apply(group, [self.box], [self.box], rows, blocks.reshape(-1)))
 
+    def abandon(self) -> None:
+        """Run the closing round for a rank whose own work raised between :meth:`bind` and :meth:`answer`.
+
+        Call it from the handler of that error, then re-raise the error.
+        The peers, in :meth:`answer`, then raise
+        :class:`~shardwise.errors.PeerError` naming this rank, instead of
+        waiting for it in their closing round; the group stays usable. Call
+        it only after the last collective the caller runs between
+        :meth:`bind` and :meth:`answer` (a peer may be waiting in that
+        collective otherwise). Does nothing when the round trip is not
+        bound or its closing round has run (:meth:`gather` or
+        :meth:`answer` raised from it).
+
+        Example:
+            >>> try:
+            ...     blocks = pool(everyone)           # this rank's own work, no collective
+            ...     result = trip.answer(blocks, sent)
+            ... except BaseException:
+            ...     trip.abandon()
+            ...     raise
+        """
+        if not self._open:
+            return
+        self._err = local_copy.RAISED
+        # The caller re-raises its own error; what the closing round says about the peers adds nothing to it.
+        with contextlib.suppress(PeerError, PeerLostError, CollectiveMismatchError):
+            self._close()
+
     def _check_bound(self, step: str) -> None:
         if not self._bound:
             raise RuntimeError(f"RoundTrip.{step} before bind() returned True: take the collectives' path instead")
@@ -214,6 +249,7 @@ class RoundTrip:
     def _close(self) -> None:
         """The closing round: every rank's box is complete and no request is read any more; errors raised alike."""
         group = self.group
+        self._open = False
         codes = [row[0] for row in local_copy.all_gather_ints(group, [self._err])]
         held = _pinned.get(group._communicator(), [])
         held[:] = [pair for pair in held if pair[0] is not self.request or pair[1] is not self.box]
