@@ -187,7 +187,7 @@ def _abandoned_by_rank_0() -> dict[str, Any]:
             if g.rank == 0:
                 raise MemoryError("no room for the blocks")
             return trip.answer(_blocks(g.rank, [4, 4]), [4, 4])
-        except BaseException:
+        except Exception:
             trip.abandon()
             raise
 

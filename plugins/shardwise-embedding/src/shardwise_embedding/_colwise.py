@@ -52,7 +52,8 @@ def answering(trip: Optional[sdk.RoundTrip]) -> Iterator[None]:
     """
     try:
         yield
-    except BaseException:
+    except Exception:
+        # Not BaseException: on an interrupt the peers may never reach their closing round.
         if trip is not None:
             trip.abandon()
         raise

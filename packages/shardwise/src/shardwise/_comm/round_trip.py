@@ -231,7 +231,7 @@ class RoundTrip:
             >>> try:
             ...     blocks = pool(everyone)           # this rank's own work, no collective
             ...     result = trip.answer(blocks, sent)
-            ... except BaseException:
+            ... except Exception:
             ...     trip.abandon()
             ...     raise
         """
