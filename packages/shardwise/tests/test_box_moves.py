@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -19,7 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import shardwise
-from shardwise._comm import box_moves, buffers, local_copy
+from shardwise._comm import box_moves, buffers, copy_rates, local_copy
+from shardwise._comm.copy_rates import SCALE
 
 from rank_helpers import box, run
 
@@ -28,35 +29,40 @@ def _box(src_rank: int, dst_rank: int, rows: int, cols: int = 4, src: int = 0, d
     return box_moves.BoxMove(src_rank, dst_rank, src, (rows, cols), (0, 0), dst, (rows, cols), (0, 0), (rows, cols))
 
 
+Prices = Optional[tuple[int, int]]
+
+
 def _cuts(
-    boxes: list[box_moves.BoxMove], local: list[int], src_huge: list[int], dst_huge: list[int], world: int
-) -> tuple[list[int], list[box_moves.Loads]]:
+    boxes: list[box_moves.BoxMove], local: list[int], src_huge: list[int], dst_huge: list[int], world: int,
+    prices: Prices = None,
+) -> tuple[list[int], list[box_moves.Loads]]:  # fmt: skip
     """Every box's cut as its ends compute it: each rank publishes its shares from its own boxes alone."""
     n_src, n_dst = len(src_huge), len(dst_huge)
     rows = [
         box_moves.shares([b for b in boxes if me in (b.src_rank, b.dst_rank)], me, local[me], 1, n_src, n_dst)
         for me in range(world)
     ]
-    everyone = box_moves.loads(rows, src_huge, dst_huge)
+    everyone = box_moves.loads(rows, src_huge, dst_huge, prices)
     return [box_moves.pushed_rows(b, everyone) for b in boxes], everyone
 
 
-def _price(b: box_moves.BoxMove, huge: int, pushed: bool) -> float:
-    """What copying all of ``b`` costs the end that does it (one byte per element)."""
-    per_byte = 1 if huge else box_moves.SMALL_PAGE_COST
+def _price(b: box_moves.BoxMove, huge: int, pushed: bool, prices: Prices = None) -> float:
+    """What copying all of ``b`` costs the end that does it (one byte per element), in local bytes."""
+    small, huge_price = prices if prices is not None else (box_moves.SMALL_PAGE_COST * SCALE, SCALE)
+    per_byte = (huge_price if huge else small) / SCALE
     return b.numel * per_byte + box_moves.remote_runs(b, pushed) * box_moves.IOVEC_COST
 
 
 def _work(boxes: list[box_moves.BoxMove], local: list[int], src_huge: list[int], dst_huge: list[int],
-          world: int) -> list[float]:  # fmt: skip
+          world: int, prices: Prices = None) -> list[float]:  # fmt: skip
     """Each rank's priced work once every box is cut."""
-    cuts, _ = _cuts(boxes, local, src_huge, dst_huge, world)
+    cuts, _ = _cuts(boxes, local, src_huge, dst_huge, world, prices)
     work = [float(x) for x in local]
     for b, pushed in zip(boxes, cuts, strict=True):
         n = b.sizes[0]
         assert 0 <= pushed <= n
-        work[b.src_rank] += _price(b, dst_huge[b.dst], True) * pushed / n
-        work[b.dst_rank] += _price(b, src_huge[b.src], False) * (n - pushed) / n
+        work[b.src_rank] += _price(b, dst_huge[b.dst], True, prices) * pushed / n
+        work[b.dst_rank] += _price(b, src_huge[b.src], False, prices) * (n - pushed) / n
     return work
 
 
@@ -67,17 +73,19 @@ def _work(boxes: list[box_moves.BoxMove], local: list[int], src_huge: list[int],
     local=st.tuples(st.integers(0, 2000), st.integers(0, 2000)),
     huge=st.tuples(st.integers(0, 1), st.integers(0, 1)),
     strided=st.sampled_from(["neither", "source", "target"]),
+    prices=st.one_of(st.none(), st.tuples(st.integers(SCALE // 2, 4 * SCALE), st.integers(SCALE // 2, 4 * SCALE))),
 )
 def test_a_pair_is_cut_as_evenly_as_any_cut_can(
-    rows: int, cols: int, local: tuple[int, int], huge: tuple[int, int], strided: str
+    rows: int, cols: int, local: tuple[int, int], huge: tuple[int, int], strided: str, prices: Prices
 ) -> None:
+    # Under the default prices and under any measured ones (copy_rates.prices' range).
     box_moves.IOVEC_COST = 3  # comparable to a row's bytes here, so strided sides matter
     try:
         wide = 2 * cols
         src_shape, dst_shape = (rows, wide if strided == "source" else cols), (rows, wide if strided == "target" else cols)
         b = box_moves.BoxMove(0, 1, 0, src_shape, (0, 0), 0, dst_shape, (0, 0), (rows, cols))
-        got = max(_work([b], list(local), [huge[0]], [huge[1]], 2))
-        write, read = _price(b, huge[1], True), _price(b, huge[0], False)
+        got = max(_work([b], list(local), [huge[0]], [huge[1]], 2, prices))
+        write, read = _price(b, huge[1], True, prices), _price(b, huge[0], False, prices)
         # Every cut at a row: none does better than the rule by more than one row's cost.
         best = min(max(local[0] + write * k / rows, local[1] + read * (rows - k) / rows) for k in range(rows + 1))
         assert got <= best + max(read, write) / rows + 1e-6
@@ -175,8 +183,12 @@ def _check(st_: Any, dense: torch.Tensor, what: str) -> None:
         assert torch.equal(s.tensor, box(dense, s.metadata)), what
 
 
-def _layout_changes(cases: list[Case], page_cost: int, iovec_cost: int) -> dict[str, int]:
+def _layout_changes(cases: list[Case], page_cost: int, iovec_cost: int, measured: bool = False) -> dict[str, int]:
     box_moves.SMALL_PAGE_COST, box_moves.IOVEC_COST = page_cost, iovec_cost
+    if not measured:
+        # The model's own prices: nothing this process copies is timed.
+        copy_rates.forget()
+        copy_rates.MIN_OBSERVED_BYTES = 1 << 62
     g = shardwise.get_default_group()
     w = g.size
     calls = {"read": 0, "write": 0}
@@ -241,3 +253,61 @@ def test_a_scatters_root_and_a_gathers_senders_write_part_of_the_boxes() -> None
     assert all(res["read"] > 0 and res["write"] > 0 for res in results), results
     assert math.prod(res["boxes"] for res in results) > 0
 
+
+
+# -- measured prices ----------------------------------------------------------------------------------------
+
+
+def _scatter_writes_under(readings: dict[int, int]) -> dict[str, Any]:
+    """Rank 0 alone has timed its copies (picoseconds per byte by kind); then an 8 MiB scatter and gather."""
+    copy_rates.forget()
+    if shardwise.get_default_group().rank == 0:
+        for kind, ps in readings.items():
+            copy_rates.observe(kind, copy_rates.MIN_OBSERVED_BYTES, ps * copy_rates.MIN_OBSERVED_BYTES / 1e12)
+    published = copy_rates.published()
+    copy_rates.MIN_OBSERVED_BYTES = 1 << 62  # the scatter itself adds no reading
+    assert local_copy.usable(shardwise.get_default_group())  # its probe (a tiny read and write) before counting
+    writes = {"n": 0}
+    real = local_copy._write_runs
+
+    def counted(pid: int, runs: torch.Tensor) -> int:
+        writes["n"] += 1
+        return int(real(pid, runs))
+
+    local_copy._write_runs = counted
+    try:
+        dense = torch.randn(2048, 1024, generator=torch.Generator().manual_seed(5))
+        st_ = shardwise.shard_tensor(dense, _spec(0, 2, 0), src_rank=0)
+    finally:
+        local_copy._write_runs = real
+    _check(st_, dense, "shard_tensor")
+    return {"writes": writes["n"], "published": published, "boxes": local_copy.stats.get("boxes", 0)}
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="cross-memory attach is Linux only")
+def test_the_cut_follows_the_prices_one_rank_measured_and_every_rank_agrees() -> None:
+    # A scatter of 8 MiB from rank 0 to 2 ranks. Reading a peer's 4 KiB pages timed at 4x a local copy: the
+    # root writes part of rank 1's box. Timed at 0.8x: the reader's share costs it less than the root's own
+    # local copy, so the root writes nothing. Only rank 0 timed anything; had rank 1 cut by other prices,
+    # some rows would be copied twice and others never, and the values would differ (checked on each rank).
+    dear = run(_scatter_writes_under, 2, {copy_rates.LOCAL: 100, copy_rates.FAR_SMALL: 400})
+    cheap = run(_scatter_writes_under, 2, {copy_rates.LOCAL: 100, copy_rates.FAR_SMALL: 80})
+    assert dear[0]["published"] == [100, 400, 0] and dear[1]["published"] == [0, 0, 0]
+    assert dear[0]["writes"] > 0 and cheap[0]["writes"] == 0, (dear, cheap)
+    assert all(res["boxes"] > 0 for res in dear + cheap)
+
+
+def _measured_layout_changes(cases: list[Case]) -> dict[str, Any]:
+    copy_rates.forget()
+    counts = _layout_changes(cases, 2, 8 << 10, measured=True)
+    return {**counts, "published": copy_rates.published()}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_layout_changes_cut_by_the_prices_they_measure_equal_the_dense_tensor(world_size: int) -> None:
+    # Large enough that the copies are timed: later calls cut their boxes by what the earlier ones measured.
+    cases = [(1536, 1536, 0, 1, s, s + 1, s) for s in range(3)]
+    results = run(_measured_layout_changes, world_size, cases)
+    assert all(res["boxes"] > 0 for res in results)
+    timed = [sum(res["published"][kind] > 0 for res in results) for kind in range(copy_rates.KINDS)]
+    assert timed[copy_rates.LOCAL] and (timed[copy_rates.FAR_SMALL] or timed[copy_rates.FAR_HUGE]), results

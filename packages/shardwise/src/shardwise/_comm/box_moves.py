@@ -11,13 +11,16 @@ theirs, and a gather's root makes every copy while the others wait. So each
 box is cut between its two ends along dim 0: the sender writes its first rows,
 the receiver reads the rest, in proportions that even out the ranks' work.
 
-The cost model, measured on the development machine (2 cores, see
-``docs/performance.md``), in bytes of a local ``memcpy``: the kernel pins the
-remote pages of a copy iovec by iovec and page by page, so
+The cost model, in bytes of a local ``memcpy``: the kernel pins the remote
+pages of a copy iovec by iovec and page by page, so
 
-* a byte costs 1 when the remote memory is a huge-page buffer of shardwise's
-  own cache (:func:`shardwise._comm.buffers.on_huge_pages`), and
-  :data:`SMALL_PAGE_COST` when it is in 4 KiB pages (a user's tensor);
+* a byte costs what the ranks have measured (:mod:`shardwise._comm.copy_rates`:
+  every rank times its large copies by kind and publishes its readings in
+  the call's first all-gather) when the remote memory is a huge-page buffer
+  of shardwise's own cache (:func:`shardwise._comm.buffers.on_huge_pages`,
+  1 until measured) and when it is in 4 KiB pages (a user's tensor;
+  :data:`SMALL_PAGE_COST` until measured: 1.3-1.6 was measured on one
+  2-core machine, and the best fixed cut on another implied 2.2);
 * each remote iovec costs :data:`IOVEC_COST` more (runs that continue one
   another on a side are one iovec there), so a box whose rows are strided in
   the source and back to back in the target is cheaper written than read.
@@ -29,8 +32,8 @@ about the box itself, and without a round of their own):
 * each box is first given to the end whose far side takes fewer iovecs (its
   receiver on a tie; :func:`read_by_default`);
 * every rank publishes its share of the work, by kind and by far-side shard
-  (:func:`shares`), beside its shards' page sizes, so every rank can price
-  every rank's work (:func:`loads`);
+  (:func:`shares`), beside its shards' page sizes and its copy readings, so
+  every rank can price every rank's work alike (:func:`loads`);
 * when a box's default end has more work than the other end (local copies
   included), a fraction ``(W_busy - W_other) / (shed_busy + take_other)`` of
   the box's rows moves to the other end (:func:`pushed_rows`), where ``shed``
@@ -49,12 +52,13 @@ takes.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Mapping, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, NamedTuple, Optional, Sequence
 
 import torch
 
-from shardwise._comm import buffers, local_copy
+from shardwise._comm import buffers, copy_rates, local_copy
 
 if TYPE_CHECKING:
     from shardwise._comm.group import Group
@@ -77,7 +81,7 @@ __all__ = [
 
 #: A layout change whose contiguous runs average fewer bytes than this declines (one iovec per run costs more).
 MIN_RUN_BYTES = 256
-#: Relative cost of a byte copied from or into a peer's 4 KiB pages (1: a peer's huge pages, or a local copy).
+#: Relative cost of a byte copied from or into a peer's 4 KiB pages (1: a local copy) until the ranks have timed some.
 SMALL_PAGE_COST = 2
 #: Cost of each iovec on the remote side, in bytes of a local copy: the kernel pins a remote iovec's pages on
 #: its own (about 0.8 us each on the development machine, the time to copy 8 KiB).
@@ -151,6 +155,19 @@ def _run_starts(shape: Sequence[int], start: Sequence[int], sizes: Sequence[int]
     return offs
 
 
+#: Boxes of at most this many runs list them in plain integers (:func:`box_runs`).
+_FEW_RUNS = 16
+
+
+def _few_run_starts(shape: Sequence[int], start: Sequence[int], sizes: Sequence[int], k: int) -> list[int]:
+    """:func:`_run_starts` in plain integers, for a box of a few runs."""
+    strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
+    offsets = [sum(start[d] * strides[d] for d in range(k, len(shape)))]
+    for d in range(k):
+        offsets = [o + (start[d] + i) * strides[d] for o in offsets for i in range(sizes[d])]
+    return offsets
+
+
 def run_bytes(shape: Sequence[int], target_shape: Sequence[int], sizes: Sequence[int], item: int) -> int:
     """Bytes of each contiguous run when a box of ``sizes`` is copied from ``shape`` into ``target_shape``."""
     k = max(_run_dim(shape, sizes), _run_dim(target_shape, sizes))
@@ -163,6 +180,16 @@ def box_runs(box: BoxMove, item: int, src_base: int, dst_base: int) -> torch.Ten
         return torch.zeros(0, 3, dtype=torch.int64, device="cpu")
     k = max(_run_dim(box.src_shape, box.sizes), _run_dim(box.dst_shape, box.sizes))
     run = math.prod(box.sizes[k:]) * item
+    if math.prod(box.sizes[:k]) <= _FEW_RUNS:
+        # A scatter's or gather's box is one run: plain integers and one tensor, not a dozen tensor ops
+        # (0.1-0.2 ms while the peers' copies fill the memory bus).
+        pairs = zip(
+            _few_run_starts(box.dst_shape, box.dst_start, box.sizes, k),
+            _few_run_starts(box.src_shape, box.src_start, box.sizes, k),
+            strict=True,
+        )
+        rows = [[dst_at * item + dst_base, src_at * item + src_base, run] for dst_at, src_at in pairs]
+        return torch.tensor(rows, dtype=torch.int64, device="cpu")
     src = _run_starts(box.src_shape, box.src_start, box.sizes, k) * item + src_base
     dst = _run_starts(box.dst_shape, box.dst_start, box.sizes, k) * item + dst_base
     return torch.stack([dst, src, torch.full_like(dst, run)], dim=1)
@@ -230,7 +257,7 @@ def shares(boxes: Sequence[BoxMove], me: int, local_bytes: int, item: int, n_src
 
 
 class Loads(NamedTuple):
-    """One rank's work priced (in bytes of a local copy), from its :func:`shares` and the shards' page sizes.
+    """One rank's work priced (in 1/``copy_rates.SCALE`` bytes of a local copy), from its :func:`shares` and page sizes.
 
     Attributes:
         work: Local copies plus every box it copies by default.
@@ -247,7 +274,12 @@ class Loads(NamedTuple):
     write_take: int
 
 
-def loads(rows: Sequence[Sequence[int]], src_huge: Sequence[int], dst_huge: Sequence[int]) -> list[Loads]:
+def loads(
+    rows: Sequence[Sequence[int]],
+    src_huge: Sequence[int],
+    dst_huge: Sequence[int],
+    prices: Optional[tuple[int, int]] = None,
+) -> list[Loads]:
     """Every rank's :class:`Loads` from the published :func:`shares` (one row per rank) and page sizes.
 
     Plain integers: the table is a few dozen numbers a rank, where each
@@ -258,13 +290,20 @@ def loads(rows: Sequence[Sequence[int]], src_huge: Sequence[int], dst_huge: Sequ
         rows: One row per rank, as :func:`shares` returns it.
         src_huge: Whether each source shard is on huge pages (0/1, by shard index).
         dst_huge: The same for each target shard.
+        prices: A far-side byte's price in 4 KiB pages and in huge pages, in
+            1/:data:`~shardwise._comm.copy_rates.SCALE` of a local byte
+            (:func:`shardwise._comm.copy_rates.prices`); None: the defaults,
+            :data:`SMALL_PAGE_COST` and 1. The loads come out in the same unit.
     """
+    scale = copy_rates.SCALE
+    small, huge_price = prices if prices is not None else (SMALL_PAGE_COST * scale, scale)
     n_src, n_dst = len(src_huge), len(dst_huge)
-    src_price = [1 if huge else SMALL_PAGE_COST for huge in src_huge]
-    dst_price = [1 if huge else SMALL_PAGE_COST for huge in dst_huge]
+    src_price = [huge_price if huge else small for huge in src_huge]
+    dst_price = [huge_price if huge else small for huge in dst_huge]
+    iovec = IOVEC_COST * scale
 
     def priced(row: Sequence[int], at: int, price: Sequence[int], iov: int) -> int:
-        return sum(n * p for n, p in zip(row[at : at + len(price)], price, strict=True)) + row[iov] * IOVEC_COST
+        return sum(n * p for n, p in zip(row[at : at + len(price)], price, strict=True)) + row[iov] * iovec
 
     table = []
     for row in rows:
@@ -273,7 +312,7 @@ def loads(rows: Sequence[Sequence[int]], src_huge: Sequence[int], dst_huge: Sequ
         write_take = priced(row, at + n_src, src_price, _IOV_WRITE_TAKE)
         read_take = priced(row, at + 2 * n_src, dst_price, _IOV_READ_TAKE)
         write_shed = priced(row, at + 2 * n_src + n_dst, dst_price, _IOV_WRITE_SHED)
-        table.append(Loads(row[_LOCAL] + read_shed + write_shed, read_shed, read_take, write_shed, write_take))
+        table.append(Loads(row[_LOCAL] * scale + read_shed + write_shed, read_shed, read_take, write_shed, write_take))
     return table
 
 
@@ -308,7 +347,7 @@ def move_boxes(
     shard_counts: tuple[int, int],
     boxes: Sequence[BoxMove],
     item: int,
-    local_bytes: int,
+    local: tuple[int, int],
     meanwhile: Callable[[], None],
 ) -> bool:
     """Collective: every box of ``boxes`` copied once, read by its receiver or written by its sender; False to decline.
@@ -324,7 +363,9 @@ def move_boxes(
         boxes: This rank's incoming and outgoing boxes (``dst_rank`` or
             ``src_rank`` is this rank).
         item: Bytes per element of every shard.
-        local_bytes: Bytes this rank copies locally (its pieces that stay).
+        local: Bytes this rank copies locally (its pieces that stay), and
+            the contiguous runs they make (the copies are timed for
+            :mod:`~shardwise._comm.copy_rates` when the runs are long).
         meanwhile: This rank's local copies: run once every rank has agreed,
             while the peers copy (never when the ranks decline).
 
@@ -336,13 +377,17 @@ def move_boxes(
     """
     n_src, n_dst = shard_counts
     me = group.rank
+    local_bytes, local_runs = local
     fields = [0] * (2 * (n_src + n_dst))
     for j, t in sources.items():
         fields[j], fields[n_src + n_dst + j] = t.data_ptr(), int(buffers.on_huge_pages(t))
     for j, t in targets.items():
         fields[n_src + j], fields[2 * n_src + n_dst + j] = t.data_ptr(), int(buffers.on_huge_pages(t))
-    # The shares ride on the call's first all-gather: one round fewer, which gloo's latency makes worth it.
+    # The shares and the copy rates ride on the call's first all-gather: one round fewer, which gloo's
+    # latency makes worth it.
     fields += shares(boxes, me, local_bytes, item, n_src, n_dst)
+    fields += copy_rates.published()
+    n_shares = len(fields) - 2 * (n_src + n_dst) - copy_rates.KINDS
 
     def copies(rows: list[list[int]]) -> list[local_copy.Copy]:
         # Each rank filled only its own shards' entries (zeros elsewhere): a column's sum is its owner's value.
@@ -350,9 +395,13 @@ def move_boxes(
         summed = [sum(column) for column in zip(*(row[: 2 * (n_src + n_dst)] for row in table), strict=True)]
         addr_src, addr_dst = summed[:n_src], summed[n_src : n_src + n_dst]
         huge = summed[n_src + n_dst :]
-        everyone = loads([row[2 * (n_src + n_dst) :] for row in table], huge[:n_src], huge[n_src:])
-        meanwhile()
-        per_peer: dict[tuple[int, bool], list[torch.Tensor]] = {}
+        at = 2 * (n_src + n_dst)
+        priced = copy_rates.prices([row[at + n_shares :] for row in table], SMALL_PAGE_COST)
+        everyone = loads([row[at : at + n_shares] for row in table], huge[:n_src], huge[n_src:], priced)
+        # By (peer, write, far side on huge pages): the runs, their bytes, and how many there are. Listed
+        # before the local copies: after a copy of tens of MiB the caches are cold, and the same Python
+        # takes four times as long (0.2 ms on a scatter's root).
+        per_peer: dict[tuple[int, bool, bool], tuple[list[torch.Tensor], list[int]]] = {}
         for b in boxes:
             cut = pushed_rows(b, everyone)
             incoming = b.dst_rank == me
@@ -360,10 +409,31 @@ def move_boxes(
             if not part.numel:
                 continue
             runs = box_runs(part, item, addr_src[b.src], addr_dst[b.dst])
+            far_huge = bool(huge[b.src] if incoming else huge[n_src + b.dst])
+            peer = b.src_rank if incoming else b.dst_rank
+            parts, counts = per_peer.setdefault((peer, not incoming, far_huge), ([], [0, 0]))
             # Rows are (local, remote, bytes): a write's local side is the source.
-            per_peer.setdefault((b.src_rank if incoming else b.dst_rank, not incoming), []).append(
-                runs if incoming else runs[:, [1, 0, 2]]
+            parts.append(runs if incoming else runs[:, [1, 0, 2]])
+            counts[0] += part.numel * item
+            counts[1] += remote_runs(part, not incoming)
+        listed = [
+            local_copy.Copy(
+                rows[peer][1],
+                parts[0] if len(parts) == 1 else torch.cat(parts),
+                write,
+                _observed(copy_rates.FAR_HUGE if far_huge else copy_rates.FAR_SMALL, *counts),
             )
-        return [local_copy.Copy(rows[p][1], torch.cat(parts), write) for (p, write), parts in per_peer.items()]
+            for (peer, write, far_huge), (parts, counts) in per_peer.items()
+        ]
+        started = time.perf_counter()
+        meanwhile()
+        if local_runs and local_bytes // local_runs >= copy_rates.MIN_OBSERVED_BYTES:
+            copy_rates.observe(copy_rates.LOCAL, local_bytes, time.perf_counter() - started)
+        return listed
 
     return local_copy.transfer(group, "boxes", ok, fields, copies)
+
+
+def _observed(kind: int, nbytes: int, iovecs: int) -> Optional[tuple[int, int]]:
+    """``(kind, nbytes)`` when a copy of ``nbytes`` in ``iovecs`` far-side runs is long enough to time, else None."""
+    return (kind, nbytes) if iovecs and nbytes // iovecs >= copy_rates.MIN_OBSERVED_BYTES else None

@@ -47,11 +47,13 @@ import hashlib
 import logging
 import os
 import sys
+import time
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Sequence, cast
 
 import torch
 
+from shardwise._comm import copy_rates
 from shardwise._comm.hosts import this_host
 from shardwise._vocab.switches import switched_on
 from shardwise.errors import PeerError, PeerLostError
@@ -436,11 +438,14 @@ class Copy(NamedTuple):
         pid: The peer's process id (from the call's first all-gather).
         runs: The runs, in order.
         write: False: read the peer's memory into ours; True: write ours into the peer's.
+        observe: The :mod:`~shardwise._comm.copy_rates` kind the copy is timed
+            as and its bytes, or None (not timed).
     """
 
     pid: int
     runs: torch.Tensor
     write: bool
+    observe: Optional[tuple[int, int]] = None
 
 
 def transfer(
@@ -475,7 +480,10 @@ def transfer(
         err = 0
         try:
             for copy in copies(rows):
+                started = time.perf_counter()
                 err = err or (_write_runs if copy.write else _read_runs)(copy.pid, copy.runs)
+                if copy.observe is not None and not err:
+                    copy_rates.observe(*copy.observe, time.perf_counter() - started)
         except Exception:
             # Into the closing round with a code, so the peers raise too; then this rank's own error
             # (also when that round fails: a peer lost too).

@@ -371,6 +371,11 @@ def read_direct(
     published = {j: sources[j] for j in sending} if ok else {}
     written = {j: targets[j] if j in targets else adopted[j] for j in receiving} if ok else {}
     local_bytes = sum(p.numel for p in pl.local) * item
+    local_runs = sum(
+        p.numel * item // box_moves.run_bytes(pl.src_shapes[p.src], pl.dst_shapes[p.dst], p.sizes, item)
+        for p in pl.local
+        if p.numel
+    )
     if not box_moves.move_boxes(
         group,
         ok,
@@ -379,7 +384,7 @@ def read_direct(
         (len(pl.src_owner), len(pl.dst_owner)),
         boxes,
         item,
-        local_bytes,
+        (local_bytes, local_runs),
         lambda: copy_local(pl, sources, targets, wire_dtype),
     ):
         return None
