@@ -21,6 +21,7 @@ identical either way.
 from __future__ import annotations
 
 import math
+from array import array
 from datetime import timedelta
 from typing import Any, Optional, Sequence
 
@@ -157,7 +158,7 @@ class MpiGroup(Group):
     def _direct_all_gather(self, tensor: torch.Tensor, out: torch.Tensor) -> bool:
         if not (_plain(tensor) and _plain(out)):
             return False
-        if local_all_gather(self, out, tensor, [tensor.numel()] * self.size, exchange=self._exchange):
+        if local_all_gather(self, out, tensor, [tensor.numel()] * self.size):
             return True
         with self._watch(self._describe("all_gather")):
             C.allgatherv(self.comm, out, tensor, [tensor.numel()] * self.size)
@@ -185,16 +186,16 @@ class MpiGroup(Group):
         result = out if out is not None else empty_like(tensor, (sum(outs), *trailing))
         per_row = math.prod(trailing)
         out_counts, in_counts = [o * per_row for o in outs], [i * per_row for i in ins]
-        if local_all_to_all(self, result.view(-1), out_counts, tensor.view(-1), in_counts, exchange=self._exchange):
+        if local_all_to_all(self, result.view(-1), out_counts, tensor.view(-1), in_counts):
             return result
         with self._watch(self._describe("all_to_all")):
             C.alltoallv(self.comm, result, out_counts, tensor, in_counts)
         return result
 
-    def _exchange(self, out: torch.Tensor, inp: torch.Tensor) -> None:
-        """The one-copy path's all-gather of a few integers: MPI's own, never the primitives."""
+    def _all_gather_ints(self, out: array, inp: array) -> None:
+        """The one-copy path's all-gather of a few integers: MPI's own on the arrays, no tensor, no primitive."""
         with self._watch(self._describe("all_gather")):
-            C.allgatherv(self.comm, out, inp, [inp.numel()] * self.size)
+            self.comm.Allgather(inp, out)
 
     # -- primitives ------------------------------------------------------------
     def _reduction_dtype(self, dtype: torch.dtype) -> torch.dtype:
@@ -215,7 +216,7 @@ class MpiGroup(Group):
     # The data-moving primitives offer their buffers to the one-copy path first (outside the
     # watchdog: it runs primitives of its own, each watched).
     def _all_gather(self, out: torch.Tensor, inp: torch.Tensor, counts: Sequence[int]) -> None:
-        if local_all_gather(self, out, inp, counts, exchange=self._exchange):
+        if local_all_gather(self, out, inp, counts):
             return
         with self._watch(self._describe("all_gather")):
             C.allgatherv(self.comm, out, inp, counts)
@@ -227,19 +228,19 @@ class MpiGroup(Group):
     def _all_to_all(
         self, out: torch.Tensor, out_counts: Sequence[int], inp: torch.Tensor, in_counts: Sequence[int]
     ) -> None:
-        if local_all_to_all(self, out, out_counts, inp, in_counts, exchange=self._exchange):
+        if local_all_to_all(self, out, out_counts, inp, in_counts):
             return
         with self._watch(self._describe("all_to_all")):
             C.alltoallv(self.comm, out, out_counts, inp, in_counts)
 
     def _gather(self, out: Optional[torch.Tensor], counts: Sequence[int], inp: torch.Tensor, dst: int) -> None:
-        if local_gather(self, out, counts, inp, dst, exchange=self._exchange):
+        if local_gather(self, out, counts, inp, dst):
             return
         with self._watch(self._describe("gather")):
             C.gatherv(self.comm, out, inp, counts, dst)
 
     def _scatter(self, out: torch.Tensor, inp: Optional[torch.Tensor], counts: Sequence[int], src: int) -> None:
-        if local_scatter(self, out, inp, counts, src, exchange=self._exchange):
+        if local_scatter(self, out, inp, counts, src):
             return
         with self._watch(self._describe("scatter")):
             C.scatterv(self.comm, out, inp, counts, src)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 import torch
 
 from shardwise._comm import local_copy
-from shardwise._comm.local_copy import Copy, Exchange
+from shardwise._comm.local_copy import Copy
 
 if TYPE_CHECKING:
     from shardwise._comm.group import Group
@@ -42,11 +42,10 @@ def _move(
     ok: bool,
     fields: Sequence[int],
     reads: Callable[[list[list[int]]], list[tuple[int, torch.Tensor]]],
-    exchange: Optional[Exchange],
 ) -> bool:
     """A collective whose receivers read every byte: ``reads`` lists (pid, runs) per peer (``local_copy.transfer``)."""
     return local_copy.transfer(
-        group, name, ok, fields, lambda rows: [Copy(p, r, False) for p, r in reads(rows)], exchange
+        group, name, ok, fields, lambda rows: [Copy(p, r, False) for p, r in reads(rows)]
     )
 
 
@@ -64,13 +63,10 @@ def all_to_all(
     out_counts: Sequence[int],
     inp: torch.Tensor,
     in_counts: Sequence[int],
-    *,
-    exchange: Optional[Exchange] = None,
 ) -> bool:
     """``Group._all_to_all`` by cross-memory attach; False (on every rank) to take the backend's path.
 
-    ``exchange``: the backend's own all-gather of equal int64 rows (``exchange(out, inp)``) for
-    the few integers the ranks swap (default: ``group._all_gather``); the same for every function here.
+    The few integers the ranks swap go through ``group._all_gather_ints``; the same for every function here.
     """
     item = inp.element_size()
     ok = local_copy.copyable(out, inp) and out.dtype == inp.dtype and not _overlap(out, inp)
@@ -88,7 +84,7 @@ def all_to_all(
             if s != me and out_counts[s]
         ]
 
-    return _move(group, "all_to_all", ok, [_addr(inp), *send_at], reads, exchange)
+    return _move(group, "all_to_all", ok, [_addr(inp), *send_at], reads)
 
 
 def scatter(
@@ -97,8 +93,6 @@ def scatter(
     inp: Optional[torch.Tensor],
     counts: Sequence[int],
     src: int,
-    *,
-    exchange: Optional[Exchange] = None,
 ) -> bool:
     """``Group._scatter`` by cross-memory attach; False (on every rank) to take the backend's path."""
     item = out.element_size()
@@ -115,7 +109,7 @@ def scatter(
             return []
         return [(rows[src][1], local_copy.runs([_addr(out)], [rows[src][2] + at[me]], [counts[me] * item]))]
 
-    return _move(group, "scatter", ok, [_addr(inp)], reads, exchange)
+    return _move(group, "scatter", ok, [_addr(inp)], reads)
 
 
 def gather(
@@ -124,8 +118,6 @@ def gather(
     counts: Sequence[int],
     inp: torch.Tensor,
     dst: int,
-    *,
-    exchange: Optional[Exchange] = None,
 ) -> bool:
     """``Group._gather`` by cross-memory attach; False (on every rank) to take the backend's path."""
     item = inp.element_size()
@@ -146,12 +138,10 @@ def gather(
             if s != dst
         ]
 
-    return _move(group, "gather", ok, [_addr(inp)], reads, exchange)
+    return _move(group, "gather", ok, [_addr(inp)], reads)
 
 
-def all_gather(
-    group: Group, out: torch.Tensor, inp: torch.Tensor, counts: Sequence[int], *, exchange: Optional[Exchange] = None
-) -> bool:
+def all_gather(group: Group, out: torch.Tensor, inp: torch.Tensor, counts: Sequence[int]) -> bool:
     """``Group._all_gather`` by cross-memory attach; False (on every rank) to take the backend's path."""
     item = inp.element_size()
     if sum(counts) * item < MIN_BYTES:
@@ -172,4 +162,4 @@ def all_gather(
             if s != me
         ]
 
-    return _move(group, "all_gather", ok, [_addr(inp)], reads, exchange)
+    return _move(group, "all_gather", ok, [_addr(inp)], reads)

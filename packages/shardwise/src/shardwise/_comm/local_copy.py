@@ -49,6 +49,7 @@ import os
 import sys
 import time
 import weakref
+from array import array
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Sequence, cast
 
 import torch
@@ -88,20 +89,15 @@ stats: dict[str, int] = {}
 class _State:
     """What this process knows about one group: the agreed verdict, and whether a local copy is under way."""
 
-    __slots__ = ("busy", "exchange", "verdict")
+    __slots__ = ("busy", "verdict")
 
     def __init__(self) -> None:
         self.verdict: Optional[bool] = None
-        # The backend's own all-gather of equal int64 rows (``out``, ``inp``); None: ``Group._all_gather``.
-        self.exchange: Optional[Exchange] = None
         # Set while this module runs collectives of its own on the group (the
         # verdict's setup, a call's all-gathers): nested primitives take the
         # backend's path. Every rank nests the same way, so all agree.
         self.busy = False
 
-
-#: A backend's all-gather of one equal-length int64 row per rank: ``exchange(out, inp)``.
-Exchange = Callable[[torch.Tensor, torch.Tensor], None]
 
 _states: weakref.WeakKeyDictionary[Any, _State] = weakref.WeakKeyDictionary()
 _readv: Optional[Callable[..., int]] = None
@@ -312,26 +308,25 @@ def _state(group: Group) -> _State:
 
 
 def all_gather_ints(group: Group, row: Sequence[int]) -> list[list[int]]:
-    """Every rank's ``row`` (all the same length), through the backend's own all-gather."""
-    mine = torch.tensor(list(row), dtype=torch.int64, device="cpu")
-    out = torch.empty(len(row) * group.size, dtype=torch.int64, device="cpu")
-    exchange = _state(group).exchange
-    if exchange is not None:
-        exchange(out, mine)
-    else:
-        group._all_gather(out, mine, [len(row)] * group.size)
-    return out.view(group.size, len(row)).tolist()
+    """Every rank's ``row`` (all the same length), through the backend's ``Group._all_gather_ints``.
+
+    Plain ``array`` buffers, no tensors: this runs twice in every call, the
+    second time right after the copies, when the caches are cold and each
+    tensor op costs tens of microseconds.
+    """
+    n = len(row)
+    out = array("q", bytes(8 * n * group.size))
+    group._all_gather_ints(out, array("q", row))
+    return [out[r * n : (r + 1) * n].tolist() for r in range(group.size)]
 
 
-def _usable(group: Group, exchange: Optional[Exchange]) -> Optional[_State]:
+def _usable(group: Group) -> Optional[_State]:
     """The group's state when cross-memory attach may be tried now (same on every rank), else None."""
     if not getattr(group, "_local_copy", False) or group.size < 2:
         return None
     state = _state(group)
     if state.busy:
         return None
-    if exchange is not None:
-        state.exchange = exchange
     if state.verdict is None:
         state.busy = True
         try:
@@ -347,7 +342,7 @@ def usable(group: Group) -> bool:
     Collective the first time on a group (the ranks agree on the verdict);
     a call may still decline afterwards (a rank's tensors do not fit).
     """
-    return _usable(group, None) is not None
+    return _usable(group) is not None
 
 
 def _host_key() -> int:
@@ -454,7 +449,6 @@ def transfer(
     ok: bool,
     fields: Sequence[int],
     copies: Callable[[list[list[int]]], Sequence[Copy]],
-    exchange: Optional[Exchange] = None,
 ) -> bool:
     """Collective: run one call by cross-memory attach; False (on every rank) to take the backend's path.
 
@@ -469,7 +463,7 @@ def transfer(
             memory); that rank raises its own error, after the closing
             round, instead of leaving its peers in that round.
     """
-    state = _usable(group, exchange)
+    state = _usable(group)
     if state is None:
         return False
     state.busy = True
