@@ -17,11 +17,11 @@ from mpi_launch import needs_mpiexec
 import shardwise
 from shardwise.testing import run_ranks
 
-_PRIMITIVES = ("_broadcast", "_all_reduce", "_all_gather", "_reduce_scatter", "_all_to_all")
+_PRIMITIVES = ("_broadcast", "_all_reduce", "_all_gather", "_reduce_scatter", "_all_to_all", "_all_gather_ints")
 
 
 def _count(g: Any) -> dict[str, int]:
-    """Count the general path's primitive calls (the handshake's all-gather included) on ``g``."""
+    """Count the general path's primitive calls and the handshakes' all-gathers (``_all_gather_ints``) on ``g``."""
     calls = dict.fromkeys(_PRIMITIVES, 0)
     for name in _PRIMITIVES:
         primitive = getattr(g, name)
@@ -50,7 +50,9 @@ def direct_battery() -> dict[str, Any]:
         return real(comm, out, inp, counts, op)
 
     C.reduce_scatter = spy  # type: ignore[assignment]
-    for verify in (False, True):
+    # A first pass uncounted: the group's one-time agreement on cross-memory attach (three all-gathers of
+    # integers, at the first collective that could take it) is not the path under test.
+    for verify in (False, False, True):
         g.verify = verify
         for name in calls:
             calls[name] = 0
@@ -87,11 +89,14 @@ def direct_battery() -> dict[str, Any]:
 
 @needs_mpiexec
 def test_direct_paths_skip_the_general_path() -> None:
-    results = run_ranks(direct_battery, 2, backend="mpi", launcher="mpiexec", timeout=120)
+    # Cross-memory attach off: its rounds (integers through _all_gather_ints, as the handshakes') would count
+    # beside the handshakes; the direct path is MPI's.
+    env = {"SHARDWISE_LOCAL_COPY": "0"}
+    results = run_ranks(direct_battery, 2, backend="mpi", launcher="mpiexec", timeout=120, env=env)
     for seen in results:
         assert seen["backend"] == "mpi"
         # verify=False: no handshake and no general-path primitive at all.
         assert seen["verify=False"] == dict.fromkeys(_PRIMITIVES, 0), seen
         # verify=True: only the handshakes' all-gathers (one per collective), the data goes direct.
-        assert seen["verify=True"] == {**dict.fromkeys(_PRIMITIVES, 0), "_all_gather": 5}, seen
+        assert seen["verify=True"] == {**dict.fromkeys(_PRIMITIVES, 0), "_all_gather_ints": 5}, seen
         assert seen["declined"]["_all_reduce"] == 1, seen

@@ -193,7 +193,7 @@ class MpiGroup(Group):
         return result
 
     def _all_gather_ints(self, out: array, inp: array) -> None:
-        """The one-copy path's all-gather of a few integers: MPI's own on the arrays, no tensor, no primitive."""
+        """Agreements' rows and the one-copy path's integers: MPI's all-gather on the arrays, no tensor."""
         with self._watch(self._describe("all_gather")):
             self.comm.Allgather(inp, out)
 

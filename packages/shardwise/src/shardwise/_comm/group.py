@@ -316,15 +316,20 @@ class Group(abc.ABC):
         Called by the one-copy path (:mod:`shardwise._comm.local_copy`) for the
         few integers its ranks swap, twice per call: addresses and verdicts
         before the copies, error numbers after them (the call's barrier).
-        Default: :meth:`_all_gather` on tensors viewing the arrays. A backend
+        Every agreement's handshake row travels here too (:meth:`agree`).
+        Default: :meth:`_all_gather` on tensors viewing the arrays (on the
+        group's device, through a copy, when that is not the CPU). A backend
         may override it with a leaner path; shardwise-mpi hands the arrays to
         ``MPI_Allgather`` directly, which right after a copy of tens of MiB
         (cold caches) takes 60 us where the tensor path takes 200.
         """
-        n = len(inp)
-        self._all_gather(
-            torch.frombuffer(out, dtype=torch.int64), torch.frombuffer(inp, dtype=torch.int64), [n] * self.size
-        )
+        counts = [len(inp)] * self.size
+        if self._device.type == "cpu":
+            self._all_gather(torch.frombuffer(out, dtype=torch.int64), torch.frombuffer(inp, dtype=torch.int64), counts)
+            return
+        table = torch.empty(len(out), dtype=torch.int64, device=self._device)
+        self._all_gather(table, torch.tensor(inp.tolist(), dtype=torch.int64, device=self._device), counts)
+        out[:] = array("q", table.tolist())
 
     def _reduction_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """Dtype the backend reduces ``dtype`` values in (override to upcast).
@@ -460,11 +465,10 @@ class Group(abc.ABC):
             row = call.encode(self.size)
         name = label or call.op
         width = len(row)
-        mine = torch.tensor(row, dtype=torch.int64, device=self._device)
-        table = torch.empty(width * self.size, dtype=torch.int64, device=self._device)
+        table = array("q", bytes(8 * width * self.size))
         with labelled(CallLabel(self, name, agreeing=True)):
-            self._all_gather(table, mine, [width] * self.size)
-        rows = Rows(table.view(self.size, width).tolist(), self.size)
+            self._all_gather_ints(table, array("q", row))
+        rows = Rows([table[r * width : (r + 1) * width].tolist() for r in range(self.size)], self.size)
         if error is not None:
             log_rejections(rows, name)  # as the peers do in raise_verdict
             try:
