@@ -26,7 +26,9 @@ What is here:
   this host they move the bytes by cross-memory attach (one copy, straight
   from the sender's memory) and return True on every rank, else False on
   every rank and the backend moves them itself. A backend opts in with a
-  class attribute ``_local_copy = True``. :class:`RoundTrip`: requests out and
+  class attribute ``_local_copy = True``; the few integers the ranks swap
+  (and every agreement's row) go through ``Group._all_gather_ints``, which a
+  backend may override with a leaner all-gather of ``array("q")`` buffers. :class:`RoundTrip`: requests out and
   answers back (an all-gather, local work, an all-to-all) in two rounds, its
   addresses riding on the caller's agreement (see
   ``shardwise_embedding``'s column-wise lookups).
