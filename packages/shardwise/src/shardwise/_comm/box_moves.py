@@ -19,7 +19,7 @@ pages of a copy iovec by iovec and page by page, so
   the call's first all-gather) when the remote memory is a huge-page buffer
   of shardwise's own cache (:func:`shardwise._comm.buffers.on_huge_pages`,
   1 until measured) and when it is in 4 KiB pages (a user's tensor;
-  :data:`SMALL_PAGE_COST` until measured: 1.3-1.6 was measured on one
+  :data:`SMALL_PAGE_COST` until measured: 1.4-1.8 was measured on one
   2-core machine, and the best fixed cut on another implied 2.2);
 * each remote iovec costs :data:`IOVEC_COST` more (runs that continue one
   another on a side are one iovec there), so a box whose rows are strided in

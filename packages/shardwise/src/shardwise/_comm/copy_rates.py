@@ -2,14 +2,16 @@
 
 Why: a box moving between two ranks on one host is cut between them
 (:func:`shardwise._comm.box_moves.pushed_rows`) in proportion to what each
-end's work costs, and that price varies by machine. Copying from or into a
-peer's 4 KiB pages (a user's tensor) costs 1.4x a local ``memcpy`` per byte
-on one 2-core machine and 2.2x on another (the kernel pins remote memory page
-by page, and the pinning's share depends on the memory's speed); a constant
-cut a scatter's or gather's work up to 20% off even there. So every rank
-times the large contiguous copies it makes, by kind, and keeps the median
-of its last few readings; the medians ride on the call's first all-gather, and every rank
-derives the same prices from the same published rows.
+end's work costs, and that price varies by machine and load. In a real call
+(both ranks copying at once) a byte from or into a peer's 4 KiB pages (a
+user's tensor) cost 1.4-1.8x a local ``memcpy``'s on one 2-core machine,
+where the best fixed split on another implied 2.2x (the kernel pins remote
+memory page by page, and the pinning's share depends on the memory's
+speed); the fixed price of 2 made a 64 MiB scatter 8% slower than the best
+price on the first. So every rank times the large contiguous copies it
+makes, by kind, and keeps the median of its last few readings; the medians
+ride on the call's first all-gather, and every rank derives the same prices
+from the same published rows.
 
 Three kinds: a local copy, a cross-memory copy whose far side is a peer's
 4 KiB pages, and one whose far side is a peer's huge-page buffer. Only copies
