@@ -24,7 +24,7 @@ from shardwise._comm import box_moves, local_collectives, local_copy
 from shardwise._comm.group import Group
 from shardwise.sharded_tensor import Shard, ShardedTensor
 
-from rank_helpers import box, group_without_local_copy, outcome, run
+from rank_helpers import TEST_BACKEND, box, group_without_local_copy, outcome, run
 
 ROW = 1024  # float32 elements per row: 4 KiB, so a few rows pass local_collectives.MIN_BYTES
 
@@ -55,6 +55,10 @@ def _collectives(g: Group, seed: int) -> list[torch.Tensor]:
     out.append(g.scatter(pieces, src=src))
     got = g.gather(data(int(rows[r, 0]), r).to(torch.float64), dst=(seed + 1) % w)
     out += got or []
+    # Broadcasts past MIN_BROADCAST_BYTES from each rank; the receivers' tensors hold other values first.
+    rows_past = local_collectives.MIN_BROADCAST_BYTES // (4 * ROW) + 3
+    for root in range(w):
+        out.append(g.broadcast(data(rows_past, root) if r == root else torch.zeros(rows_past, ROW), src=root))
     return [t.reshape(-1) for t in out]
 
 
@@ -140,6 +144,9 @@ def _flagged_views() -> dict[str, int]:
             assert all(torch.equal(t, dense[: 16 * (q + 1)]) for q, t in enumerate(got)), (kind, "all_to_all")
             pieces = [_flagged(dense[8 * q : 8 * q + 8].contiguous(), kind) for q in range(w)] if r == 0 else None
             assert torch.equal(group.scatter(pieces, src=0), dense[8 * r : 8 * r + 8]), (kind, "scatter")
+            big = dense.repeat(local_collectives.MIN_BROADCAST_BYTES // (dense.numel() * dense.element_size()) + 1, 1)
+            sent = _flagged(big.clone(), kind) if r == w - 1 else torch.zeros_like(big)
+            assert torch.equal(group.broadcast(sent, src=w - 1), big), (kind, "broadcast")
     return {"moved": _moved() - before}
 
 
@@ -248,6 +255,31 @@ def _rank_0_raises_while_copying() -> dict[str, Any]:
     # The ranks left the call together: the group still works.
     again = shardwise.shard_tensor(dense, spec, src_rank=1, process_group=g).local_shards()[0]
     return {"err": err, "message": message, "again": torch.equal(again.tensor, box(dense, again.metadata))}
+
+
+def _broadcast_into_another_size() -> dict[str, Any]:
+    g = shardwise.get_default_group()
+    n = local_collectives.MIN_BROADCAST_BYTES // 4  # float32: past the threshold on every rank
+    g.broadcast(torch.ones(n), src=0)  # settle the verdict: one copy in use
+    g.verify = False  # no handshake to catch the sizes: the one-copy path itself must
+    before = _moved()
+    # Rank 1's tensor is larger than rank 0's: read as it stood, its read would run past rank 0's tensor.
+    err, message = outcome(lambda: g.broadcast(torch.ones(n) if g.rank != 1 else torch.zeros(2 * n), src=0))
+    g.verify = True
+    again = g.broadcast(torch.full((n,), float(g.rank)), src=1)
+    return {"err": err, "message": message, "again": bool((again == 1).all()), "moved": _moved() - before}
+
+
+# Over MPI a group of 2 keeps MPICH's Bcast, which a size mismatch leaves to MPI.
+@pytest.mark.parametrize("world_size", [2, 3] if TEST_BACKEND != "mpi" else [3])
+def test_a_broadcast_into_a_tensor_of_another_size_raises_on_every_rank(world_size: int) -> None:
+    for rank, res in enumerate(run(_broadcast_into_another_size, world_size)):
+        if rank == 1:
+            sent = f"rank 0 sends {local_collectives.MIN_BROADCAST_BYTES}"
+            assert res["err"] == "ValueError" and sent in res["message"], res
+        else:
+            assert res["err"] == "PeerError" and "rank(s) [1] raised" in res["message"], res
+        assert res["again"] and res["moved"] >= 1, res
 
 
 def test_a_rank_that_raises_while_copying_raises_its_error_and_its_peers_peer_error() -> None:

@@ -6,11 +6,14 @@ In this process (no MPI): :func:`flat_view` over lists of tensors against
 (``programs_c10d/c10d_fast_paths.py``): the backend's list collectives
 (point-to-point ``scatter``/``gather``, unstaged ``all_gather``/``all_to_all``/
 ``reduce_scatter``) against ``shardwise_mpi._collectives`` on flat copies, and
-the ring all-reduce against MPI's ``Allreduce``.
+the ring all-reduce against MPI's ``Allreduce``; and
+(``programs_c10d/c10d_one_copy_broadcast.py``) large broadcasts by one copy
+per receiver from 3 ranks, through torch.distributed and ``Group.broadcast``.
 """
 
 from __future__ import annotations
 
+import re
 import sys
 
 import pytest
@@ -124,3 +127,21 @@ def test_list_collectives_match_the_generic_path(world_size: int) -> None:
     found = _ok_ranks(proc)
     assert sorted(found) == list(range(world_size)), _show(proc)
     assert all(count == 30 for count in found.values()), _show(proc)  # every drawn example ran on every rank
+
+
+@needs_mpiexec
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_large_broadcasts_take_one_copy_from_three_ranks_with_the_same_values(world_size: int) -> None:
+    # At 2 ranks MPICH's Bcast is as fast as a read of the root's memory (docs/performance.md), so both
+    # groups keep it; from 3 ranks each receiver reads the root's tensor once.
+    cmd = [str(MPIEXEC), "-n", str(world_size), sys.executable, str(PROGRAMS / "c10d_one_copy_broadcast.py")]
+    proc = _run(cmd, 120)
+    assert proc.returncode == 0, _show(proc)
+    found = {int(r): (int(c), int(u)) for r, c, u in re.findall(r"OK (\d+) (\d+) (\d+)", proc.stdout)}
+    assert sorted(found) == list(range(world_size)), _show(proc)
+    # 5 dtypes x 2 sizes x 2 layouts x each root, through torch.distributed and through Group.broadcast.
+    assert all(cases == 5 * 2 * 2 * world_size * 2 for cases, _ in found.values()), _show(proc)
+    # By one copy: the large ones, but for torch.distributed's strided tensors (MPI stages those itself;
+    # Group.broadcast stages them into a contiguous buffer first): 5 dtypes x each root x 3.
+    used = 0 if world_size < 3 else 5 * world_size * 3
+    assert all(u == used for _, u in found.values()), _show(proc)

@@ -21,7 +21,7 @@ What is here:
   ``process_group=`` argument takes), :data:`DEFAULT_TIMEOUT`, and
   :class:`Work`, what a collective with ``async_op=True`` returns.
 * **one copy on one host** — :func:`local_all_to_all`, :func:`local_scatter`,
-  :func:`local_gather`, :func:`local_all_gather`: a backend's primitive
+  :func:`local_gather`, :func:`local_all_gather`, :func:`local_broadcast`: a backend's primitive
   offers them its flat buffers first; when every rank of the group is on
   this host they move the bytes by cross-memory attach (one copy, straight
   from the sender's memory) and return True on every rank, else False on
@@ -54,6 +54,7 @@ from shardwise._comm.default_group import DEFAULT_TIMEOUT, resolve_group
 from shardwise._comm.group import Group
 from shardwise._comm.local_collectives import all_gather as local_all_gather
 from shardwise._comm.local_collectives import all_to_all as local_all_to_all
+from shardwise._comm.local_collectives import broadcast as local_broadcast
 from shardwise._comm.local_collectives import gather as local_gather
 from shardwise._comm.local_collectives import scatter as local_scatter
 from shardwise._comm.round_trip import RoundTrip
@@ -73,6 +74,7 @@ __all__ = [
     "live_bytes",
     "local_all_gather",
     "local_all_to_all",
+    "local_broadcast",
     "local_gather",
     "local_scatter",
     "normalize_reduce_op",

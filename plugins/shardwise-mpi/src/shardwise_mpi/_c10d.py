@@ -66,6 +66,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from shardwise.sdk import local_broadcast
 from shardwise_mpi._c10d_allreduce import ring_allreduce, takes_ring
 from shardwise_mpi._c10d_buffers import gather_list, list_source, list_target, prefer_huge_pages, scatter_list
 from shardwise_mpi._c10d_rendezvous import mpi as _mpi
@@ -152,6 +153,8 @@ class MpiProcessGroup(dist.ProcessGroup):
         self._desc = "undefined"
         self._C = _collectives()
         self._side_comm: Any = None  # see _side()
+        self._one_copy_group: Any = None  # see _one_copy()
+        self._timeout = timeout
         # MPI cannot cancel a blocked call: past the group's timeout the job is reported and aborted.
         self._watch = Watchdog(
             timeout,
@@ -184,6 +187,9 @@ class MpiProcessGroup(dist.ProcessGroup):
     def shutdown(self) -> None:
         """Free the group's communicators (``destroy_process_group`` calls this)."""
         self._watch.close()
+        one_copy, self._one_copy_group = self._one_copy_group, None
+        if one_copy is not None:
+            one_copy.destroy()  # its watchdog; the communicator is this group's, freed below
         comm, self.comm = self.comm, None
         side, self._side_comm = self._side_comm, None
         if not _mpi().Is_finalized():
@@ -202,6 +208,23 @@ class MpiProcessGroup(dist.ProcessGroup):
             self._side_comm = self.comm.Dup()
         return self._side_comm
 
+    def _one_copy(self) -> Any:
+        """A shardwise ``MpiGroup`` over the group's communicator: large broadcasts go through it by one copy.
+
+        ``shardwise.sdk.local_broadcast`` needs a shardwise group (its two
+        rounds of integers, and the ranks' one-time agreement that every peer
+        is on this host and readable). It owns nothing: its rounds are
+        ``MPI_Allgather`` calls on this group's communicator, in order with
+        the group's other collectives, which all run synchronously. Made on
+        first use, inside a collective every rank is in.
+        """
+        if self._one_copy_group is None:
+            # Imported here: shardwise_mpi._group imports mpi4py.MPI (see _collectives()).
+            from shardwise_mpi._group import MpiGroup
+
+            self._one_copy_group = MpiGroup(self.comm, owns_comm=False, verify=False, timeout=self._timeout)
+        return self._one_copy_group
+
     # --- collectives ----------------------------------------------------
     def barrier(self, opts: Any = None) -> Any:
         with self._watch("barrier"):
@@ -209,9 +232,13 @@ class MpiProcessGroup(dist.ProcessGroup):
         return _completed(None)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Any:
+        # From 3 ranks MPI's tree copies each byte twice per hop; one copy per receiver is faster.
+        one_copy = self._one_copy() if self._C.one_copy_broadcast(self.size()) else None
         for t in tensors:
             if self.rank() != opts.rootRank:
                 prefer_huge_pages(t)
+            if one_copy is not None and local_broadcast(one_copy, t, opts.rootRank):
+                continue
             with self._watch("broadcast"):
                 self._C.bcast(self.comm, t, opts.rootRank)
         return _completed(tensors)

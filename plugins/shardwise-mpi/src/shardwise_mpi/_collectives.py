@@ -78,6 +78,7 @@ __all__ = [
     "alltoallv",
     "barrier",
     "bcast",
+    "one_copy_broadcast",
     "cuda_aware",
     "gatherv",
     "mpi_datatype",
@@ -326,6 +327,15 @@ def _check_numel(t: torch.Tensor, expected: int, what: str) -> None:
 def barrier(comm: Any) -> None:
     """Block until every rank of ``comm`` has called it."""
     comm.Barrier()
+
+
+#: Groups of at least this many ranks offer a broadcast to the one-copy path first (``shardwise.sdk.local_broadcast``).
+ONE_COPY_BROADCAST_RANKS = 3
+
+
+def one_copy_broadcast(size: int) -> bool:
+    """Whether a group of ``size`` ranks offers a broadcast to cross-memory attach before MPI's ``Bcast``."""
+    return size >= ONE_COPY_BROADCAST_RANKS
 
 
 def bcast(comm: Any, tensor: torch.Tensor, root: int) -> torch.Tensor:

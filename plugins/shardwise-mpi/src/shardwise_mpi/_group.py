@@ -35,6 +35,7 @@ from shardwise.sdk import (
     empty_like,
     local_all_gather,
     local_all_to_all,
+    local_broadcast,
     local_gather,
     local_scatter,
 )
@@ -144,6 +145,8 @@ class MpiGroup(Group):
     def _direct_broadcast(self, tensor: torch.Tensor, src: int) -> bool:
         if not _plain(tensor):
             return False
+        if C.one_copy_broadcast(self.size) and local_broadcast(self, tensor, src):
+            return True
         with self._watch(self._describe("broadcast")):
             C.bcast(self.comm, tensor, src)
         return True
@@ -206,6 +209,8 @@ class MpiGroup(Group):
             C.barrier(self.comm)
 
     def _broadcast(self, buf: torch.Tensor, src: int) -> None:
+        if C.one_copy_broadcast(self.size) and local_broadcast(self, buf, src):
+            return
         with self._watch(self._describe("broadcast")):
             C.bcast(self.comm, buf, src)
 

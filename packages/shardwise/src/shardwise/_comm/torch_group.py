@@ -175,6 +175,8 @@ class TorchGroup(Group):
 
     @_peer_failures("broadcast")
     def _broadcast(self, buf: torch.Tensor, src: int) -> None:
+        if local_collectives.broadcast(self, buf, src):
+            return
         dist.broadcast(buf, group=self.pg, group_src=src)
 
     @_peer_failures("all_reduce")
