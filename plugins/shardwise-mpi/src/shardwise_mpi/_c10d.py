@@ -153,8 +153,7 @@ class MpiProcessGroup(dist.ProcessGroup):
         self._desc = "undefined"
         self._C = _collectives()
         self._side_comm: Any = None  # see _side()
-        self._one_copy_group: Any = None  # see _one_copy()
-        self._timeout = timeout
+        self._one_copy = self._one_copy_group(timeout)
         # MPI cannot cancel a blocked call: past the group's timeout the job is reported and aborted.
         self._watch = Watchdog(
             timeout,
@@ -187,7 +186,7 @@ class MpiProcessGroup(dist.ProcessGroup):
     def shutdown(self) -> None:
         """Free the group's communicators (``destroy_process_group`` calls this)."""
         self._watch.close()
-        one_copy, self._one_copy_group = self._one_copy_group, None
+        one_copy, self._one_copy = self._one_copy, None
         if one_copy is not None:
             one_copy.destroy()  # its watchdog; the communicator is this group's, freed below
         comm, self.comm = self.comm, None
@@ -208,22 +207,24 @@ class MpiProcessGroup(dist.ProcessGroup):
             self._side_comm = self.comm.Dup()
         return self._side_comm
 
-    def _one_copy(self) -> Any:
-        """A shardwise ``MpiGroup`` over the group's communicator: large broadcasts go through it by one copy.
+    def _one_copy_group(self, timeout: Optional[timedelta]) -> Any:
+        """A shardwise ``MpiGroup`` over the group's communicator, through which large broadcasts take one copy.
 
         ``shardwise.sdk.local_broadcast`` needs a shardwise group (its two
         rounds of integers, and the ranks' one-time agreement that every peer
         is on this host and readable). It owns nothing: its rounds are
         ``MPI_Allgather`` calls on this group's communicator, in order with
-        the group's other collectives, which all run synchronously. Made on
-        first use, inside a collective every rank is in.
+        the group's other collectives, which all run synchronously. None
+        for groups of fewer ranks than ``one_copy_broadcast`` asks for.
+        Made here, not on first use: making it is local (no communication),
+        and it then holds the communicator the group was made with.
         """
-        if self._one_copy_group is None:
-            # Imported here: shardwise_mpi._group imports mpi4py.MPI (see _collectives()).
-            from shardwise_mpi._group import MpiGroup
+        if not self._C.one_copy_broadcast(self.comm.Get_size()):
+            return None
+        # Imported here: shardwise_mpi._group imports mpi4py.MPI (see _collectives()).
+        from shardwise_mpi._group import MpiGroup
 
-            self._one_copy_group = MpiGroup(self.comm, owns_comm=False, verify=False, timeout=self._timeout)
-        return self._one_copy_group
+        return MpiGroup(self.comm, owns_comm=False, verify=False, timeout=timeout)
 
     # --- collectives ----------------------------------------------------
     def barrier(self, opts: Any = None) -> Any:
@@ -232,12 +233,11 @@ class MpiProcessGroup(dist.ProcessGroup):
         return _completed(None)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Any:
-        # From 3 ranks MPI's tree copies each byte twice per hop; one copy per receiver is faster.
-        one_copy = self._one_copy() if self._C.one_copy_broadcast(self.size()) else None
         for t in tensors:
             if self.rank() != opts.rootRank:
                 prefer_huge_pages(t)
-            if one_copy is not None and local_broadcast(one_copy, t, opts.rootRank):
+            # From 3 ranks MPI's tree copies each byte twice per hop; one copy per receiver is faster.
+            if self._one_copy is not None and local_broadcast(self._one_copy, t, opts.rootRank):
                 continue
             with self._watch("broadcast"):
                 self._C.bcast(self.comm, t, opts.rootRank)
