@@ -29,7 +29,7 @@ __all__ = ["MIN_BROADCAST_BYTES", "MIN_BYTES", "all_gather", "all_to_all", "broa
 MIN_BYTES = 64 * 1024
 #: Broadcasts of fewer bytes keep the backend's path: up to 1 MiB, gloo's and MPICH's broadcasts took
 #: less than the two rounds alone at 2 and 4 ranks on a 2-core machine; at 4 MiB the read was as fast or
-#: faster, at 16 MiB and more 1.3-2x faster.
+#: faster, at 16 MiB and more 1.2-2x faster.
 MIN_BROADCAST_BYTES = 4 * 1024 * 1024
 
 
