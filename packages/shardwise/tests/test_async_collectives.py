@@ -360,3 +360,38 @@ def test_destroy_local_drops_queued_work_and_destroy_finishes_it() -> None:
     h.destroy()
     assert pending.is_completed() and h.destroyed
     _same(pending.wait(), torch.arange(3.0))
+
+
+def test_new_group_runs_after_queued_work_with_verify_off() -> None:
+    # Making a sub-group communicates on the group (MPI_Comm_split): never beside a collective on the worker.
+    g = _Local(verify=False)
+    g._new_group = lambda ranks: g.order.append("new_group")  # type: ignore[method-assign]
+    g.gate = threading.Event()
+    pending = g.all_reduce(torch.ones(1), async_op=True)
+    assert g.started.wait(30)
+    threading.Timer(0.05, g.gate.set).start()
+    assert g.new_group([0]) is None
+    assert pending.is_completed() and g.order == ["all_reduce", "new_group"]
+    g.destroy()
+
+
+def test_inference_mode_reaches_the_worker() -> None:
+    # Inference mode is per thread, like grad mode: the worker writes into inference tensors under the caller's.
+    g = _Local()
+    g._all_reduce = lambda buf, op: buf.mul_(1)  # type: ignore[method-assign,assignment]  # writes like a real backend
+    with torch.inference_mode():
+        tensor = torch.arange(3.0)
+        work = g.all_reduce(tensor, "avg", async_op=True)
+        blocking = g.all_reduce(torch.arange(3.0), "avg")
+    _same(work.wait(), blocking)
+    assert tensor.is_inference()
+    g.destroy()
+
+
+def test_a_rank_outside_the_group_raises_at_an_asynchronous_call() -> None:
+    from shardwise._comm.non_member import NON_MEMBER
+
+    for async_op in (False, True):
+        with pytest.raises(RuntimeError, match="not a member of the process group"):
+            NON_MEMBER.all_reduce(torch.ones(1), async_op=async_op)
+    assert NON_MEMBER._worker is None

@@ -44,6 +44,8 @@ def test_single_process_init_and_destroy() -> None:
     assert (group.rank, group.size, group.backend) == (0, 1, "gloo")
     assert shardwise.is_initialized() and shardwise.get_default_group() is group
     assert shardwise.resolve_group(None) is group
+    # One group for one process group: blocking calls through WORLD wait for the default group's queued ones.
+    assert shardwise.resolve_group(dist.group.WORLD) is group
     t = torch.arange(4.0)
     assert group.all_reduce(t).tolist() == [0.0, 1.0, 2.0, 3.0]
     assert group.exchange({"a": [1, 2]}) == [{"a": [1, 2]}]

@@ -1202,6 +1202,9 @@ class Group(abc.ABC):
                 rows, lambda r: [m for m, flag in enumerate(rows.splits_a(r)) if flag], what="members of the new group"
             )
         members = [r for r, flag in enumerate(call.splits_a) if flag]
+        # Making the sub-group communicates on this group (MPI_Comm_split): after its queued collectives,
+        # also when the handshake above did not run (verify off).
+        self._settle()
         sub = self._new_group(members)
         if sub is not None and sub._global_ranks is None:
             # The backend numbered the sub-group only within itself; its members' global ranks follow from ours.

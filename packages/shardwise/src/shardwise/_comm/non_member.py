@@ -50,6 +50,10 @@ class NonMemberGroup(Group):
             "cannot take part in the group's collectives; only the group's members may call them"
         )
 
+    def _check_async(self) -> None:
+        # An asynchronous collective raises at the call too, as a blocking one does, and starts no worker thread.
+        self._refuse()
+
     def _barrier(self) -> None:
         self._refuse()
 

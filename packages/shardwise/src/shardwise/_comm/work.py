@@ -154,8 +154,8 @@ def chain(work: Work[T], then: Callable[[T], U]) -> Work[U]:
 
 
 # What one queued collective needs: its handle, its data movement, and the caller's
-# label context, grad mode and CUDA stream (all three are per thread).
-_Job = tuple[Work[Any], Callable[[], Any], contextvars.Context, bool, Optional[torch.cuda.Stream]]
+# label context, grad and inference modes and CUDA stream (all per thread).
+_Job = tuple[Work[Any], Callable[[], Any], contextvars.Context, tuple[bool, bool], Optional[torch.cuda.Stream]]
 
 
 class Worker:
@@ -188,7 +188,9 @@ class Worker:
             if self._closed is not None:
                 raise RuntimeError(f"cannot issue asynchronous {work.name}: {self._closed}")
             # The caller's context carries the call's label, which the backend's error messages use.
-            self._queue.append((work, move, contextvars.copy_context(), torch.is_grad_enabled(), stream))
+            # Grad and inference mode are per thread: the move runs under the caller's, as a blocking call would.
+            modes = (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+            self._queue.append((work, move, contextvars.copy_context(), modes, stream))
             self._busy += 1
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
@@ -247,12 +249,12 @@ class Worker:
                 if not self._queue:
                     logger.debug("stopped %s", self._name)
                     return
-                work, move, context, grad, stream = self._queue.popleft()
+                work, move, context, (grad, inference), stream = self._queue.popleft()
             value: Any = None
             error: Optional[BaseException] = None
             event: Optional[torch.cuda.Event] = None
             try:
-                with torch.set_grad_enabled(grad):
+                with torch.set_grad_enabled(grad), torch.inference_mode(inference):
                     if stream is None:
                         value = context.run(move)
                     else:
