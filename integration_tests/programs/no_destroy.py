@@ -11,6 +11,12 @@ all-reduce run by autograd's backward pass (gloo's worker threads then
 still hold the work, its tensors and autograd's context, and need the GIL
 to let go of them). Every rank checks its results and prints ``rank R of N
 (BACKEND) done``; the job must exit 0, every time.
+
+Then it issues two asynchronous all-reduces of 16 MiB and never waits for
+them: at exit one may be running on one rank's worker thread and still
+queued on its peer's. They must finish on every rank (as torch's own groups
+finish their queued work at exit); dropping the queued ones crashed the
+process that was running its first (MPI: a segfault, gloo: SIGABRT).
 """
 
 from __future__ import annotations
@@ -45,6 +51,8 @@ def main() -> None:
     swf.all_reduce(x * (rank + 1)).sum().backward()  # the last collective runs in the backward pass
     assert x.grad is not None and x.grad.tolist() == [float(size * (rank + 1))] * 3, x.grad
     say(f"rank {rank} of {size} ({group.backend}) done")
+    for _ in range(2):
+        group.all_reduce(torch.ones(1 << 22), async_op=True)  # never waited for
     # No shardwise.destroy(): the exit handler init registered tears the group down.
 
 

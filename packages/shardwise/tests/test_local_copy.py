@@ -203,6 +203,24 @@ def _refused_on_rank_1() -> dict[str, Any]:
         local_copy._probed = saved
 
 
+def _hosts_known_on_one_rank_only() -> dict[str, Any]:
+    g = shardwise.get_default_group()
+    sub = g.new_group(list(range(g.size)))
+    assert sub is not None
+    sub.hosts()  # collective; the answer is cached on this wrapper
+    if sub.rank == 1:
+        sub._hosts = None  # as a wrapper of the same process group made anew after the first was collected
+    before = _moved()
+    gathered = sub.all_gather(torch.full((local_collectives.MIN_BYTES,), float(sub.rank)))
+    return {"used": _moved() > before, "values": [int(t[0]) for t in gathered]}
+
+
+def test_the_verdict_takes_the_same_rounds_on_a_rank_whose_wrapper_forgot_the_hosts() -> None:
+    # The verdict is kept per communicator, the hosts per wrapper: the verdict must not depend on the latter.
+    for res in run(_hosts_known_on_one_rank_only, 2):
+        assert res == {"used": True, "values": [0, 1]}
+
+
 def test_a_rank_whose_kernel_refuses_sends_every_rank_down_the_backends_path() -> None:
     for res in run(_refused_on_rank_1, 2):
         assert res == {"used": False, "values": [0, 1]}

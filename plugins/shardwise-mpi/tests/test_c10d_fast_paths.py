@@ -13,6 +13,7 @@ per receiver from 3 ranks, through torch.distributed and ``Group.broadcast``.
 
 from __future__ import annotations
 
+import ctypes
 import re
 import sys
 
@@ -21,6 +22,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from shardwise_mpi._c10d_buffers import HUGE_PAGE_MIN_BYTES, flat_view, list_source, list_target, prefer_huge_pages
+from shardwise_mpi._collectives import _target
 from test_mpi4py_c10d import MPIEXEC, PROGRAMS, _ok_ranks, _run, _show, needs_mpiexec
 
 DTYPES = (torch.float32, torch.float64, torch.int64, torch.bfloat16, torch.uint8, torch.bool, torch.complex64)
@@ -116,6 +118,18 @@ def test_prefer_huge_pages_changes_no_values() -> None:
     prefer_huge_pages(fresh)
     fresh.copy_(big)
     assert torch.equal(fresh, big)
+
+
+@pytest.mark.parametrize("kind", ["neg", "conj"])
+def test_a_flagged_output_view_receives_values_not_bytes(kind: str) -> None:
+    # MPI writes raw bytes into the buffer _target gives; into a flagged view's memory they would read back flagged.
+    sent = torch.tensor([1.0 + 2.0j, -3.0 + 0.5j, 4.0 - 1.0j])
+    base = torch.zeros(3, dtype=torch.complex64)
+    out = torch._neg_view(base) if kind == "neg" else base.conj()
+    buf, finish = _target(out)
+    ctypes.memmove(buf.data_ptr(), sent.data_ptr(), sent.nbytes)  # what MPI_Bcast does
+    finish()
+    assert torch.equal(out, sent)
 
 
 @needs_mpiexec

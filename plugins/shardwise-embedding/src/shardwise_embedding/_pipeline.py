@@ -12,7 +12,12 @@ prefetched batch when the model calls it (:meth:`ShardedEmbeddingBagCollection.p
 
 Only the order of work changes, never the numbers: the collectives run in
 the same order on every rank, each batch is pooled from the same ids, so the
-losses are bit-for-bit those of the blocking loop.
+losses are bit-for-bit those of the blocking loop, provided loading a batch
+and the step do not draw from one random generator (batch i+1 is made
+during step i, so their draws would interleave in another order). A dense
+part under DDP over gloo or nccl needs a process group other than the
+collection's (``process_group=dist.new_group()``): the exchange ahead runs
+on the collection's group while DDP's all-reduces would run on the same one.
 """
 
 from __future__ import annotations

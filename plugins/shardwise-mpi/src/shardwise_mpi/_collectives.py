@@ -242,7 +242,9 @@ def _target(t: torch.Tensor, dtype: Optional[torch.dtype] = None) -> tuple[torch
     if _in_place(t) and (dtype is None or t.dtype == dtype):
         return t.detach(), _nothing
     out = t.detach()
-    if _movable(out) and out.is_contiguous() and (dtype is None or out.dtype == dtype) and not out.is_conj():
+    # A conjugate or negative view's memory holds the values before the flag: MPI's bytes would come out flagged.
+    plain = not out.is_conj() and not out.is_neg()
+    if _movable(out) and out.is_contiguous() and (dtype is None or out.dtype == dtype) and plain:
         if out.is_cuda:
             torch.cuda.current_stream(out.device).synchronize()
         return out, lambda: None

@@ -357,11 +357,9 @@ def _agree_verdict(group: Group) -> bool:
     Only the backend's primitives run here (no public collective: this runs
     inside one, possibly on the group's worker thread).
     """
-    hosts = group._hosts
-    if hosts is not None:
-        one_host = len(hosts) == 1
-    else:
-        one_host = len({row[0] for row in all_gather_ints(group, [_host_key()])}) == 1
+    # Always its own round, never a wrapper's cached hosts(): the verdict is kept per communicator, and a rank
+    # whose wrapper was collected and made anew would skip a round its peers run.
+    one_host = len({row[0] for row in all_gather_ints(group, [_host_key()])}) == 1
     if not one_host:
         _log.debug("%r: ranks on several hosts, keeping the backend's path", group)
         return False

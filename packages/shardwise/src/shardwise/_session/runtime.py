@@ -320,8 +320,31 @@ def _at_exit() -> None:
         "exit without shardwise.destroy(): releasing the %s group of rank %d without waiting for the other ranks",
         group.backend, group.rank,
     )  # fmt: skip
+    dying = getattr(sys, "last_exc", None) is not None or getattr(sys, "last_value", None) is not None
+    if not dying:
+        _finish_queued_quietly(group)
     _clear_failure_frames()
     _release_quietly(group)
+
+
+def _finish_queued_quietly(group: Group) -> None:
+    """On a normal end, let the asynchronous collectives still queued or running finish, as torch's groups do.
+
+    Every rank issued them, so every rank completes them; dropping them
+    instead would drop different ones on different ranks (a rank whose
+    worker had started one, a peer whose worker had not), leaving a
+    collective with half its ranks and a crash when the group is released
+    under it. A peer that never comes ends the wait at the backend's
+    timeout. The worker thread is then joined: a daemon thread still
+    freeing a finished collective's tensors when the interpreter finalizes
+    aborts the process ("terminate called without an active exception").
+    Not done for a rank dying of an uncaught exception, which must exit at
+    once.
+    """
+    try:
+        group._stop_async(drain=True)
+    except Exception as exc:  # noqa: BLE001 - the process is ending; the release below still runs
+        _log.warning("shardwise: finishing queued collectives at exit failed: %s: %s", type(exc).__name__, exc)
 
 
 def _clear_failure_frames() -> None:
