@@ -77,9 +77,12 @@ class Launch:
         return "\n".join(self.output.splitlines()[-n:])
 
 
-def _parse(launch: Launch) -> Launch:
+def _parse(launch: Launch, workdir: Path) -> Launch:
+    """Each rank's case lines: from its own ``lines-rank<R>.txt``, else (none written) from the merged stdout."""
     pattern = re.compile(battery.LINE)
-    for line in launch.output.splitlines():
+    files = sorted(workdir.glob("lines-rank*.txt"))
+    text = "".join(f.read_text() for f in files) if files else launch.output
+    for line in text.splitlines():
         match = pattern.match(line)
         if match is None:
             continue
@@ -121,13 +124,14 @@ def launch(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     if backend not in _selected():
         pytest.skip(f"backend {backend} not in {BACKENDS_ENV}={os.environ.get(BACKENDS_ENV, '')!r}")
     started = time.monotonic()
+    workdir = tmp_path_factory.mktemp(f"bad_input_{backend}")
     try:
-        returncode, output = _LAUNCHERS[backend](tmp_path_factory.mktemp(f"bad_input_{backend}"))
+        returncode, output = _LAUNCHERS[backend](workdir)
     except pytest.fail.Exception as exc:
         # The helper killed a job that outlived JOB_LIMIT and failed with its output in the message;
         # keep that output so each case's test reports whether it ran (the first missing one hung).
-        return _parse(Launch(backend, str(exc), -1, time.monotonic() - started, timed_out=True))
-    return _parse(Launch(backend, output, returncode, time.monotonic() - started))
+        return _parse(Launch(backend, str(exc), -1, time.monotonic() - started, timed_out=True), workdir)
+    return _parse(Launch(backend, output, returncode, time.monotonic() - started), workdir)
 
 
 def test_job_ran_every_case_and_exited_0(launch: Launch) -> None:

@@ -1070,10 +1070,22 @@ CASES: list[Case] = [
 # -- running ---------------------------------------------------------------------------------------------------
 
 
+#: This rank's own copy of its lines (``lines-rank<R>.txt`` in the work directory given), or None.
+_lines_fd: Optional[int] = None
+
+
 def say(line: str) -> None:
-    """Write one line in one ``write`` call, so the lines of concurrent ranks never interleave."""
+    """Write one line in one ``write`` call, to stdout and to this rank's own file.
+
+    The launcher merges the ranks' stdout; Open MPI's forwarding has split a
+    long line of one rank around a line of another. The test reads the
+    per-rank files, which nothing merges.
+    """
+    data = (line + "\n").encode()
     sys.stdout.flush()
-    os.write(1, (line + "\n").encode())
+    os.write(1, data)
+    if _lines_fd is not None:
+        os.write(_lines_fd, data)
 
 
 def outcome(exc: Optional[BaseException]) -> str:
@@ -1123,7 +1135,11 @@ def _workdir(group: Group, given: Optional[str]) -> Path:
 
 def main(argv: list[str]) -> int:
     """Run every case (those before ``init`` first) and print a line per case; 0 when all ran."""
+    global _lines_fd
     launch = detect()  # rank and world size from the launcher, before any group exists
+    if len(argv) > 1:
+        path = Path(argv[1]) / f"lines-rank{launch.rank}.txt"
+        _lines_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     ctx = Ctx(rank=launch.rank, size=launch.world_size, group=None, workdir=Path("."))
     count = 0
     for case in CASES:
