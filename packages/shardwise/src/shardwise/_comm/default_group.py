@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from shardwise._comm.group import Group
 from shardwise._comm.non_member import NON_MEMBER
-from shardwise._comm.torch_group import TorchGroup, wrap_process_group
+from shardwise._comm.torch_group import wrap_process_group
 from shardwise.errors import LaunchError
 
 __all__ = [
@@ -96,8 +96,8 @@ def resolve_group(process_group: Any = None) -> Group:
 
     Args:
         process_group: A shardwise ``Group``, a
-            ``torch.distributed.ProcessGroup`` (wrapped on the fly; the
-            default group's own process group gives the default group), None
+            ``torch.distributed.ProcessGroup`` (wrapped on the fly; one
+            shardwise made, such as the default group's, gives that group), None
             for :func:`get_default_group`, or — on a rank that a subgroup
             leaves out — torch's ``GroupMember.NON_GROUP_MEMBER``, which
             ``torch.distributed.new_group`` returns there.
@@ -117,12 +117,6 @@ def resolve_group(process_group: Any = None) -> Group:
         return process_group
     if dist.is_available():
         if isinstance(process_group, dist.ProcessGroup):
-            # The default group's own process group (dist.group.WORLD after shardwise.init) resolves to the
-            # default group itself: one group, one worker thread, so blocking calls through either name wait
-            # for the asynchronous ones queued through the other and reach the wire in the order issued.
-            default = _default
-            if isinstance(default, TorchGroup) and default.pg is process_group:
-                return default
             return wrap_process_group(process_group)
         if type(process_group) is int and process_group == dist.GroupMember.NON_GROUP_MEMBER:
             return NON_MEMBER

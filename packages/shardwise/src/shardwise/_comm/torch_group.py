@@ -144,6 +144,9 @@ class TorchGroup(Group):
         self._direct_gather = self._device.type == "cpu" and "gloo" in backend
         if owns is not None:
             _owning.add(self)
+        # One group per process group: wrapping a process group shardwise made (the default group's is
+        # dist.group.WORLD) gives this group, so calls through either name share one worker thread and its order.
+        _wrapped[id(pg)] = self
 
     @property
     def pg(self) -> dist.ProcessGroup:
@@ -373,15 +376,14 @@ def init_torch_process_group(
     return TorchGroup(world, device=device, owns="default")
 
 
-# Keyed by id: a live TorchGroup holds its process group, so the id cannot
-# be reused while the entry exists, and the entry dies with the wrapper.
+# Keyed by id; the entry dies with the wrapper. A live TorchGroup holds its
+# process group until destroyed (``_pg`` None), after which the id may be reused.
 _wrapped: MutableMapping[int, TorchGroup] = weakref.WeakValueDictionary()
 
 
 def wrap_process_group(pg: dist.ProcessGroup) -> TorchGroup:
-    """The :class:`TorchGroup` over a user's torch process group (one per live group)."""
+    """The :class:`TorchGroup` over a torch process group: the one already made over it, else a new one."""
     group = _wrapped.get(id(pg))
-    if group is None or group.pg is not pg:
-        group = TorchGroup(pg)
-        _wrapped[id(pg)] = group
+    if group is None or group._pg is not pg:  # none yet, or one whose process group is gone (its id reused)
+        group = TorchGroup(pg)  # registers itself
     return group
