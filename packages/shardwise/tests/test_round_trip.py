@@ -134,7 +134,7 @@ def test_a_failed_write_raises_on_every_rank() -> None:
     for err, message in run(_write_fails_on_rank_0, 2):
         assert err == "PeerLostError", message
         assert "rank 0: ESRCH" in message and local_copy.LOCAL_COPY_ENV in message
-        assert "peer process is gone" in message
+        assert "peer process is gone" in message and "cannot be used any more" in message
 
 
 def _read_fails_on_rank_0() -> dict[str, Any]:
@@ -148,7 +148,9 @@ def _read_fails_on_rank_0() -> dict[str, Any]:
     # The reader raises before it hands back ids it did not get; its peer from its answer.
     gathered = outcome(lambda: trip.gather(torch.empty(6, dtype=torch.int64)))
     answered = outcome(lambda: trip.answer(_blocks(g.rank, [4, 4]), [4, 4])) if gathered[0] == "ok" else None
-    return {"gathered": gathered, "answered": answered, "pinned": round_trip.pinned_count()}
+    # Every rank reached the closing round, so the group is still in step.
+    after = g.all_reduce(torch.ones(1)).item()
+    return {"gathered": gathered, "answered": answered, "pinned": round_trip.pinned_count(), "after": after}
 
 
 def test_a_failed_read_raises_on_every_rank_before_the_ids_are_used() -> None:
@@ -159,6 +161,10 @@ def test_a_failed_read_raises_on_every_rank_before_the_ids_are_used() -> None:
     assert peer["gathered"] == ("ok", "")
     assert peer["answered"][0] == "PeerLostError" and "rank 0: EPERM" in peer["answered"][1]
     assert reader["pinned"] == peer["pinned"] == 0
+    # A refused copy loses no rank: the message says the group still works, and it does.
+    for message in (reader["gathered"][1], peer["answered"][1]):
+        assert "the group still works" in message and "cannot be used any more" not in message
+    assert reader["after"] == peer["after"] == 2.0
 
 
 def _bad_box_on_rank_1() -> bool:

@@ -94,13 +94,16 @@ def test_register_is_idempotent_and_lazy() -> None:
 
 
 @needs_mpiexec
-def test_a_frozen_rank_is_reported_and_the_job_aborted_after_the_group_timeout() -> None:
-    # MPI cannot cancel the survivors' blocked all_reduce: the watchdog names it and aborts the job.
-    cmd = [str(MPIEXEC), "-n", "3", sys.executable, str(PROGRAMS / "c10d_frozen_rank.py")]
+@pytest.mark.parametrize("collective", ["all_reduce", "broadcast"])
+def test_a_frozen_rank_is_reported_and_the_job_aborted_after_the_group_timeout(collective: str) -> None:
+    # MPI cannot cancel the survivors' blocked call: the watchdog names it and aborts the job. A 4 MiB
+    # broadcast at 3 ranks goes by one copy, through the backend's shardwise group, whose watchdog must
+    # name this API and its timeout too (it said "the mpi backend" and shardwise.init).
+    cmd = [str(MPIEXEC), "-n", "3", sys.executable, str(PROGRAMS / "c10d_frozen_rank.py"), collective]
     proc = _run(cmd, 120)
     assert proc.returncode != 0, _show(proc)
     found = re.search(
-        r'shardwise: rank ([02]) of 3: all_reduce on torch.distributed backend "mpi4py" has waited ([\d.]+) s for '
+        r'shardwise: rank ([02]) of 3: \w+ on torch.distributed backend "mpi4py" has waited ([\d.]+) s for '
         r"its peers, longer than the group's timeout \(4 s, set by init_process_group\(timeout=\.\.\.\)\)",
         proc.stderr,
     )

@@ -75,6 +75,9 @@ from shardwise_mpi._c10d_rendezvous import mpi_store as _mpi_store  # noqa: F401
 from shardwise_mpi._c10d_rendezvous import wrap_env_handler as _wrap_env_handler
 from shardwise_mpi._watchdog import Watchdog
 
+#: How the watchdog's messages name this backend and where its timeout is set.
+_WATCHDOG_NAMES = ('torch.distributed backend "mpi4py"', "init_process_group(timeout=...)")
+
 __all__ = ["BACKEND_NAME", "MpiProcessGroup", "register"]
 
 BACKEND_NAME = "mpi4py"
@@ -158,8 +161,8 @@ class MpiProcessGroup(dist.ProcessGroup):
         self._watch = Watchdog(
             timeout,
             lambda: f"rank {self.rank()} of {self.size()}",
-            backend='torch.distributed backend "mpi4py"',
-            how_to_set="init_process_group(timeout=...)",
+            backend=_WATCHDOG_NAMES[0],
+            how_to_set=_WATCHDOG_NAMES[1],
         )
 
     # --- identity -------------------------------------------------------
@@ -224,7 +227,8 @@ class MpiProcessGroup(dist.ProcessGroup):
         # Imported here: shardwise_mpi._group imports mpi4py.MPI (see _collectives()).
         from shardwise_mpi._group import MpiGroup
 
-        return MpiGroup(self.comm, owns_comm=False, verify=False, timeout=timeout)
+        # Its watchdog's messages name this API, whose timeout is init_process_group's.
+        return MpiGroup(self.comm, owns_comm=False, verify=False, timeout=timeout, watchdog=_WATCHDOG_NAMES)
 
     # --- collectives ----------------------------------------------------
     def barrier(self, opts: Any = None) -> Any:

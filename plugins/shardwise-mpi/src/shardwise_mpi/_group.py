@@ -107,6 +107,10 @@ class MpiGroup(Group):
         torch_default_group: torch.distributed's default process group if
             it was made for this group (``create_group``): :meth:`destroy`
             destroys it too.
+        watchdog: The watchdog's ``backend`` and ``how_to_set`` (how its
+            messages name the backend and where the timeout is set), for a
+            group that serves another API (the ``"mpi4py"`` torch backend's
+            one-copy broadcasts); default: this backend's, set by ``shardwise.init``.
     """
 
     #: Ranks on one host move data by cross-memory attach (``shardwise.sdk.local_all_to_all`` ...):
@@ -122,6 +126,7 @@ class MpiGroup(Group):
         verify: Optional[bool] = None,
         timeout: Optional[timedelta] = DEFAULT_TIMEOUT,
         torch_default_group: Optional[dist.ProcessGroup] = None,
+        watchdog: Optional[tuple[str, str]] = None,
     ) -> None:
         # _collectives stages CUDA tensors itself (or hands them to a
         # CUDA-aware MPI), so the base class need not stage them.
@@ -139,7 +144,11 @@ class MpiGroup(Group):
         self._owns_comm = owns_comm
         self._torch_default_group = torch_default_group
         self._timeout = timeout
-        self._watch = Watchdog(timeout, lambda: f"rank {self.rank} of {self.size}")
+        where = lambda: f"rank {self.rank} of {self.size}"  # noqa: E731 - read when a message is written
+        if watchdog is None:
+            self._watch = Watchdog(timeout, where)
+        else:
+            self._watch = Watchdog(timeout, where, backend=watchdog[0], how_to_set=watchdog[1])
 
     # -- direct paths (arguments already checked and agreed); see the module docstring --
     def _direct_broadcast(self, tensor: torch.Tensor, src: int) -> bool:

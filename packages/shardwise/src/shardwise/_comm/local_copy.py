@@ -406,10 +406,14 @@ def _settled(group: Group, name: str, errors: Sequence[int]) -> None:
     if failed:
         where = ", ".join(f"rank {r}: {_strerror(e)}" for r, e in failed)
         cause = _CAUSES.get(failed[0][1], "A peer has probably died")
+        if any(e == errno_module.ESRCH for _, e in failed):
+            after = "the group cannot be used any more"
+        else:
+            # Every rank answered this closing round, so none is lost and the group is still in step.
+            after = "no rank's result of this call is valid, but every rank reached its end, so the group still works"
         raise PeerLostError(
-            f"rank {group.rank} of {group.size}: {name} by cross-memory attach failed ({where}). {cause}; the "
-            "group cannot be used any more. If the kernel refuses the copies, set "
-            f"{LOCAL_COPY_ENV}=0 to use the backend's own transport."
+            f"rank {group.rank} of {group.size}: {name} by cross-memory attach failed ({where}). {cause}; {after}. "
+            f"If the kernel refuses the copies, set {LOCAL_COPY_ENV}=0 to use the backend's own transport."
         )
     stats[name] = stats.get(name, 0) + 1
     _log.debug("%r: %s moved by cross-memory attach", group, name)

@@ -17,11 +17,13 @@ import functools
 import gc
 import os
 import weakref
+from array import array
 from datetime import timedelta
 from typing import Any, Callable, MutableMapping, Optional, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as _c10d
 
 from shardwise._comm import buffers, local_collectives
 from shardwise._comm.group import Group
@@ -241,12 +243,46 @@ class TorchGroup(Group):
         if not local_collectives.scatter(self, out, inp, counts, src):
             super()._scatter(out, inp, counts, src)
 
+    def _collective_timeout(self) -> Optional[timedelta]:
+        """The process group's collective timeout, or None where the backend does not say."""
+        try:
+            backend = self.pg._get_backend(self._device)
+        except (RuntimeError, ValueError):  # no backend for this device (a custom one): its default applies
+            return None
+        timeout = getattr(getattr(backend, "options", None), "_timeout", None)
+        return timeout if isinstance(timeout, timedelta) else None
+
     @_peer_failures("new_group")
     def _new_group(self, ranks: Sequence[int]) -> Optional[Group]:
-        if self.rank not in ranks:
-            return None
+        member = self.rank in ranks
         global_ranks = [dist.get_global_rank(self.pg, r) for r in ranks]
-        sub = dist.new_group(global_ranks, backend=self.backend, use_local_synchronization=True)
+        # torch gives a new group its default timeout (30 min), not its parent's: pass on ours
+        # (shardwise.init(timeout=...)) so a subgroup's peer failures surface as soon as the parent's.
+        timeout = self._collective_timeout()
+        if self.size == dist.get_world_size():
+            # Every process calls: torch then names the group from a counter all of them advance together.
+            sub = dist.new_group(global_ranks, backend=self.backend, timeout=timeout)
+            return TorchGroup(sub, device=self._device, owns="group", verify=self.verify) if member else None
+        # Only this group's ranks call, so only the members may make the group (use_local_synchronization),
+        # and torch names such a group after its ranks and how many process groups the calling rank holds.
+        # Members holding different numbers would wait for each other under different names until the
+        # timeout: agree first, and fail together instead.
+        held = array("q", [len(_c10d._world.pg_names)])  # private, but what torch's name is made of
+        table = array("q", bytes(8 * self.size))
+        self._all_gather_ints(table, held)
+        counts = {r: table[r] for r in ranks}
+        if len(set(counts.values())) > 1:
+            raise ValueError(
+                f"new_group({sorted(ranks)}) of a {self.size}-rank subgroup cannot be made over torch: torch names "
+                "a process group that only its members make after the number of process groups each member "
+                f"already holds, and the members hold different numbers (by rank of this group: {counts}), so "
+                "they would wait for each other under different names. Make it from a group of every rank instead "
+                "(shardwise.get_default_group().new_group(<global ranks>)), or make the same subgroups on "
+                "every rank."
+            )
+        if not member:
+            return None
+        sub = dist.new_group(global_ranks, backend=self.backend, timeout=timeout, use_local_synchronization=True)
         return TorchGroup(sub, device=self._device, owns="group", verify=self.verify)
 
     def destroy(self) -> None:
