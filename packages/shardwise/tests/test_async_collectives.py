@@ -23,7 +23,7 @@ import shardwise.nn.functional as F
 from shardwise import Work
 from shardwise.errors import CollectiveMismatchError
 
-from rank_helpers import check_errors, outcome
+from rank_helpers import TEST_BACKEND, check_errors, outcome
 from rank_helpers import run as _run
 
 DTYPES = {
@@ -395,3 +395,37 @@ def test_a_rank_outside_the_group_raises_at_an_asynchronous_call() -> None:
         with pytest.raises(RuntimeError, match="not a member of the process group"):
             NON_MEMBER.all_reduce(torch.ones(1), async_op=async_op)
     assert NON_MEMBER._worker is None
+
+
+def torch_on_world_beside_pending_async() -> dict[str, Any]:
+    import torch.distributed as dist
+
+    g = shardwise.get_default_group()
+    gate = threading.Event()
+    with g.unverified():
+        # Rank 0's worker is held, so its asynchronous all_reduce reaches the wire after the torch one below;
+        # rank 1's goes first. On one process group they would meet each other's (silently wrong sums).
+        held = g._issue("hold", gate.wait if g.rank == 0 else gate.is_set, True)
+        shardwise_sum = g.all_reduce(torch.full((4,), 1.0), async_op=True)
+    torch_sum = torch.full((4,), 10.0)
+    if g.rank == 0:
+        threading.Timer(0.5, gate.set).start()
+        dist.all_reduce(torch_sum)  # on dist.group.WORLD, as DDP's all-reduces are
+    else:
+        shardwise_sum.wait()
+        dist.all_reduce(torch_sum)
+    held.wait()
+    seen = {"shardwise": shardwise_sum.wait().tolist(), "torch": torch_sum.tolist()}
+    wire = getattr(g, "_wire_pg", None)
+    seen["own_process_group"] = wire is not None and wire is not dist.group.WORLD and g.pg is dist.group.WORLD
+    return seen
+
+
+def test_torch_collectives_on_world_do_not_meet_pending_async_ones() -> None:
+    # The default group talks on a process group of its own (made by shardwise.init), so torch code on
+    # dist.group.WORLD (DDP beside SparseDistPipeline) may run while one of its collectives is pending.
+    results = _run(torch_on_world_beside_pending_async, 2)
+    for rank, seen in enumerate(results):
+        assert seen["shardwise"] == [2.0] * 4 and seen["torch"] == [20.0] * 4, (rank, seen)
+        if TEST_BACKEND == "test-gloo":
+            assert seen["own_process_group"], rank

@@ -70,6 +70,43 @@ def _same_as_blocking() -> None:
             assert torch.equal(piped_weights[name], w), name
 
 
+def _train_under_ddp(pipelined: bool) -> tuple[list[float], torch.Tensor]:
+    """STEPS steps of a dense layer under DDP on torch's default process group, after the collection."""
+    group = shardwise.get_default_group()
+    tables = every_type_tables("sum")
+    sharded = shard_collection(dense_collection(tables), every_type_plan(tables, group.size))
+    width = sum(t.embedding_dim * len(t.feature_names) for t in tables)
+    dense = torch.nn.Linear(width, 2, dtype=torch.float64)
+    with torch.no_grad():
+        dense.weight.copy_(torch.linspace(-1, 1, 2 * width, dtype=torch.float64).reshape(2, width))
+        dense.bias.zero_()
+    # DDP's default process group is dist.group.WORLD, the default group's own: its all-reduces run while
+    # the next batch's exchange is in flight.
+    ddp = torch.nn.parallel.DistributedDataParallel(dense)
+    optimizers = [RowSparseAdagrad(sharded.parameters(), lr=0.1), torch.optim.SGD(ddp.parameters(), lr=0.1)]
+    sizes = [3 + r for r in range(group.size)]
+    batches: Any = _batches(tables, "ddp", sizes, group.rank, width)
+    if pipelined:
+        batches = SparseDistPipeline(sharded, batches, features=lambda b: b[0])
+    losses = []
+    for kjt, weights in batches:
+        loss = ddp(sharded(kjt).values() * weights).square().sum()
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+        loss.backward()
+        for optimizer in optimizers:
+            optimizer.step()
+        losses.append(float(group.all_reduce(loss.detach().reshape(1))))
+    return losses, dense.weight.detach().clone()
+
+
+def _under_ddp_on_the_default_process_group() -> None:
+    losses, weight = _train_under_ddp(pipelined=False)
+    piped_losses, piped_weight = _train_under_ddp(pipelined=True)
+    assert piped_losses == losses, (piped_losses, losses)
+    assert torch.equal(piped_weight, weight)
+
+
 def _setup() -> tuple[Any, Any, Any]:
     group = shardwise.get_default_group()
     tables = every_type_tables("sum")
@@ -164,6 +201,7 @@ def _bad_batch_ahead() -> None:
 def _cases() -> dict[str, Callable[[], None]]:
     return {
         "pipelined_losses_and_weights_bit_identical": _same_as_blocking,
+        "under_ddp_on_the_default_process_group": _under_ddp_on_the_default_process_group,
         "forward_another_batch_or_prefetch_twice": _forward_another_batch,
         "a_step_that_skips_the_collection": _step_skips_the_collection,
         "stopped_early_or_empty": _stop_early_and_empty,

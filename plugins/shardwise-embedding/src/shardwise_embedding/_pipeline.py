@@ -15,9 +15,10 @@ the same order on every rank, each batch is pooled from the same ids, so the
 losses are bit-for-bit those of the blocking loop, provided loading a batch
 and the step do not draw from one random generator (batch i+1 is made
 during step i, so their draws would interleave in another order). A dense
-part under DDP over gloo or nccl needs a process group other than the
-collection's (``process_group=dist.new_group()``): the exchange ahead runs
-on the collection's group while DDP's all-reduces would run on the same one.
+part under DDP on torch's default process group needs nothing more: the
+default group, whose worker moves the exchange ahead, talks on a process
+group of its own. A collection on a group over a process group of the
+user's talks on that one, so DDP must not use it.
 """
 
 from __future__ import annotations

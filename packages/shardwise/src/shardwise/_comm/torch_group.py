@@ -109,6 +109,13 @@ class TorchGroup(Group):
             :func:`init_torch_process_group`), ``"group"`` if it must
             destroy ``pg``, None to leave ``pg`` alone (a user's group).
         verify: See :class:`~shardwise.Group`.
+        own_channel: Talk on a process group of its own over the same
+            ranks, made here by every process (collective), and leave
+            ``pg`` to other code: the default group's, whose process group
+            ``dist.group.WORLD`` torch code such as DDP uses too. A
+            collective of this group's worker thread would otherwise meet
+            theirs in a different order on different ranks. The mpi
+            backend's group duplicates its communicator likewise.
     """
 
     def _communicator(self) -> object:
@@ -123,6 +130,7 @@ class TorchGroup(Group):
         device: Optional[torch.device] = None,
         owns: Optional[str] = None,
         verify: Optional[bool] = None,
+        own_channel: bool = False,
     ) -> None:
         backend = str(dist.get_backend(pg))
         devices = _device_types(backend)
@@ -140,6 +148,11 @@ class TorchGroup(Group):
         )
         self._pg: Optional[dist.ProcessGroup] = pg
         self._owns = owns
+        # What this group's collectives run on: pg, or one of its own (own_channel).
+        self._wire_pg: Optional[dist.ProcessGroup] = None
+        if own_channel:
+            ranks = None if pg is dist.group.WORLD else dist.get_process_group_ranks(pg)
+            self._wire_pg = dist.new_group(ranks, backend=backend, timeout=self._collective_timeout())
         # Ranks on one host move CPU data by cross-memory attach (one copy from the
         # sender's memory; gloo copies through a socket): see shardwise._comm.local_copy.
         self._local_copy = self._device.type == "cpu"
@@ -152,11 +165,20 @@ class TorchGroup(Group):
 
     @property
     def pg(self) -> dist.ProcessGroup:
-        """The torch process group.
+        """The torch process group (for the default group: ``dist.group.WORLD``, though it talks on its own).
 
         Raises:
             LaunchError: the group was destroyed (it no longer holds one).
         """
+        return self._main_pg()
+
+    @property
+    def _wire(self) -> dist.ProcessGroup:
+        """The process group this group's collectives run on."""
+        pg = self._main_pg()  # raises once destroyed
+        return pg if self._wire_pg is None else self._wire_pg
+
+    def _main_pg(self) -> dist.ProcessGroup:
         pg = self._pg
         if pg is None:
             raise LaunchError(
@@ -174,19 +196,19 @@ class TorchGroup(Group):
     @_peer_failures("barrier")
     def _barrier(self) -> None:
         if self._device.type == "cuda":
-            dist.barrier(group=self.pg, device_ids=[self._device.index or 0])
+            dist.barrier(group=self._wire, device_ids=[self._device.index or 0])
         else:
-            dist.barrier(group=self.pg)
+            dist.barrier(group=self._wire)
 
     @_peer_failures("broadcast")
     def _broadcast(self, buf: torch.Tensor, src: int) -> None:
         if local_collectives.broadcast(self, buf, src):
             return
-        dist.broadcast(buf, group=self.pg, group_src=src)
+        dist.broadcast(buf, group=self._wire, group_src=src)
 
     @_peer_failures("all_reduce")
     def _all_reduce(self, buf: torch.Tensor, op: str) -> None:
-        dist.all_reduce(buf, op=_REDUCE[op], group=self.pg)
+        dist.all_reduce(buf, op=_REDUCE[op], group=self._wire)
 
     @_peer_failures("all_gather")
     def _all_gather(self, out: torch.Tensor, inp: torch.Tensor, counts: Sequence[int]) -> None:
@@ -197,22 +219,22 @@ class TorchGroup(Group):
             # gloo's all-gather passes the pieces round a ring, one hop after another; its
             # all-to-all sends each peer its piece at once (benchmarks/gloo_rounds.py).
             sent = [inp.numel()] * self.size
-            dist.all_to_all_single(out, inp.repeat(self.size), list(counts), sent, group=self.pg)
+            dist.all_to_all_single(out, inp.repeat(self.size), list(counts), sent, group=self._wire)
             return
         if all(c == most for c in counts):
-            dist.all_gather_single(out, inp, group=self.pg)
+            dist.all_gather_single(out, inp, group=self._wire)
             return
         padded_in = inp.new_zeros(most)
         padded_in[: inp.numel()] = inp
         padded_out = buffers.empty_like(inp, (most * self.size,))
-        dist.all_gather_single(padded_out, padded_in, group=self.pg)
+        dist.all_gather_single(padded_out, padded_in, group=self._wire)
         torch.cat([padded_out[r * most : r * most + c] for r, c in enumerate(counts)], out=out)
 
     @_peer_failures("reduce_scatter")
     def _reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, counts: Sequence[int], op: str) -> None:
         most = max(counts)
         if all(c == most for c in counts):
-            dist.reduce_scatter_single(out, inp, op=_REDUCE[op], group=self.pg)
+            dist.reduce_scatter_single(out, inp, op=_REDUCE[op], group=self._wire)
             return
         padded = inp.new_zeros(most * self.size)
         offset = 0
@@ -220,7 +242,7 @@ class TorchGroup(Group):
             padded[r * most : r * most + c] = inp[offset : offset + c]
             offset += c
         chunk = inp.new_empty(most)
-        dist.reduce_scatter_single(chunk, padded, op=_REDUCE[op], group=self.pg)
+        dist.reduce_scatter_single(chunk, padded, op=_REDUCE[op], group=self._wire)
         out.copy_(chunk[: counts[self.rank]])
 
     @_peer_failures("all_to_all")
@@ -230,7 +252,7 @@ class TorchGroup(Group):
         if local_collectives.all_to_all(self, out, out_counts, inp, in_counts):
             return
         dist.all_to_all_single(
-            out, inp, output_split_sizes=list(out_counts), input_split_sizes=list(in_counts), group=self.pg
+            out, inp, output_split_sizes=list(out_counts), input_split_sizes=list(in_counts), group=self._wire
         )
 
     @_peer_failures("gather")
@@ -246,7 +268,7 @@ class TorchGroup(Group):
     def _collective_timeout(self) -> Optional[timedelta]:
         """The process group's collective timeout, or None where the backend does not say."""
         try:
-            backend = self.pg._get_backend(self._device)
+            backend = self._main_pg()._get_backend(self._device)
         except (RuntimeError, ValueError):  # no backend for this device (a custom one): its default applies
             return None
         timeout = getattr(getattr(backend, "options", None), "_timeout", None)
@@ -255,7 +277,7 @@ class TorchGroup(Group):
     @_peer_failures("new_group")
     def _new_group(self, ranks: Sequence[int]) -> Optional[Group]:
         member = self.rank in ranks
-        global_ranks = [dist.get_global_rank(self.pg, r) for r in ranks]
+        global_ranks = [dist.get_global_rank(self._main_pg(), r) for r in ranks]
         # torch gives a new group its default timeout (30 min), not its parent's: pass on ours
         # (shardwise.init(timeout=...)) so a subgroup's peer failures surface as soon as the parent's.
         timeout = self._collective_timeout()
@@ -286,12 +308,12 @@ class TorchGroup(Group):
         return TorchGroup(sub, device=self._device, owns="group", verify=self.verify)
 
     def destroy(self) -> None:
-        """Wait for every rank, then release the process group (if this group made it).
+        """Wait for every rank, then release the process groups this group made.
 
         The barrier keeps a rank from tearing its connections down while a
         peer still uses them.
         """
-        if self._owns is not None:
+        if self._owns is not None or self._wire_pg is not None:
             self._barrier()
         self.destroy_local()
 
@@ -307,6 +329,10 @@ class TorchGroup(Group):
         gc.collect()
         owns, self._owns = self._owns, None
         _owning.discard(self)
+        wire, self._wire_pg = self._wire_pg, None
+        if wire is not None and dist.is_initialized() and owns != "default":
+            # This group's own (own_channel); torch's default group takes it along when destroyed.
+            dist.destroy_process_group(wire)
         if owns == "default":
             if dist.is_initialized():
                 dist.destroy_process_group()
@@ -317,7 +343,7 @@ class TorchGroup(Group):
                 group._pg = None
             _owning.clear()
         elif owns == "group":
-            dist.destroy_process_group(self.pg)
+            dist.destroy_process_group(self._main_pg())
         if owns is not None:
             # Dropping the last reference deletes the C++ process group, which
             # (with the GIL released) joins gloo's worker threads. Left running,
@@ -371,7 +397,7 @@ def init_torch_process_group(
         world = dist.group.WORLD
         assert world is not None
         if str(dist.get_backend(world)) == backend:
-            return TorchGroup(world, device=device)
+            return TorchGroup(world, device=device, own_channel=True)
         return TorchGroup(dist.new_group(backend=backend, timeout=timeout), device=device, owns="group")
     if launch.world_size == 1 and (launch.master_addr is None or launch.master_port is None):
         store: dist.Store = dist.HashStore()
@@ -409,7 +435,7 @@ def init_torch_process_group(
     )
     world = dist.group.WORLD
     assert world is not None
-    return TorchGroup(world, device=device, owns="default")
+    return TorchGroup(world, device=device, owns="default", own_channel=True)
 
 
 # Keyed by id; the entry dies with the wrapper. A live TorchGroup holds its
