@@ -373,6 +373,12 @@ def init_torch_process_group(
     If torch is already initialised with the same world, the group reuses
     it (or makes a new group of ``backend`` over it).
 
+    A group over torch's default process group keeps ``dist.group.WORLD``
+    as its ``pg`` but talks on a process group of its own over the same
+    ranks, made here by every process: torch code on ``dist.group.WORLD``
+    (DDP, DTensor) then never meets the group's asynchronous collectives,
+    which run on its worker thread.
+
     Args:
         backend: torch backend name (``"gloo"``, ``"nccl"``).
         launch: What the launcher said about this job.
