@@ -145,7 +145,11 @@ def test_gloo_survivors_raise_peer_lost_error_when_a_rank_is_killed(phase: str, 
         assert codes[rank] == 1, f"rank {rank} exited {codes[rank]}:\n{outputs[rank]}"
         seconds, error = _failure(outputs[rank], rank, phase)
         assert error.startswith(f"PeerLostError: rank {rank} of 3: "), error
-        assert "on the gloo backend failed" in error and "A peer has probably died" in error, error
+        # Either the transport noticed, or (ranks on one host) the closing round of a copy between
+        # processes reported a peer's read from the killed rank's memory failing with ESRCH.
+        transport = "on the gloo backend failed" in error and "A peer has probably died" in error
+        copy = "by cross-memory attach failed" in error and "ESRCH" in error and "peer process is gone" in error
+        assert transport or copy, error
         assert seconds < TIMEOUT + SLACK, f"rank {rank} took {seconds} s"
     if phase == "checkpoint":
         # The killed save left the first checkpoint: it loads on 2 ranks, bit for bit, files unchanged.
