@@ -40,7 +40,7 @@ from shardwise.sdk import (
     local_scatter,
 )
 from shardwise_mpi import _collectives as C
-from shardwise_mpi._watchdog import Watchdog
+from shardwise_mpi._watchdog import SHARDWISE_NAMES, Watchdog
 
 # After _collectives, which has chosen the MPI library that mpi4py loads.
 from mpi4py import MPI  # noqa: E402  # isort: skip
@@ -126,7 +126,7 @@ class MpiGroup(Group):
         verify: Optional[bool] = None,
         timeout: Optional[timedelta] = DEFAULT_TIMEOUT,
         torch_default_group: Optional[dist.ProcessGroup] = None,
-        watchdog: Optional[tuple[str, str]] = None,
+        watchdog: tuple[str, str] = SHARDWISE_NAMES,
     ) -> None:
         # _collectives stages CUDA tensors itself (or hands them to a
         # CUDA-aware MPI), so the base class need not stage them.
@@ -144,11 +144,9 @@ class MpiGroup(Group):
         self._owns_comm = owns_comm
         self._torch_default_group = torch_default_group
         self._timeout = timeout
+        backend, how_to_set = watchdog
         where = lambda: f"rank {self.rank} of {self.size}"  # noqa: E731 - read when a message is written
-        if watchdog is None:
-            self._watch = Watchdog(timeout, where)
-        else:
-            self._watch = Watchdog(timeout, where, backend=watchdog[0], how_to_set=watchdog[1])
+        self._watch = Watchdog(timeout, where, backend=backend, how_to_set=how_to_set)
 
     # -- direct paths (arguments already checked and agreed); see the module docstring --
     def _direct_broadcast(self, tensor: torch.Tensor, src: int) -> bool:

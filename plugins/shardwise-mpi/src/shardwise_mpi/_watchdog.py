@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional
 
 from shardwise.errors import PeerLostError
 
-__all__ = ["ABORT_GRACE", "EXIT_CODE", "FORWARD_GRACE", "Watchdog"]
+__all__ = ["ABORT_GRACE", "EXIT_CODE", "FORWARD_GRACE", "SHARDWISE_NAMES", "Watchdog"]
 
 #: Exit status of a process whose collective timed out (as ``timeout(1)``).
 EXIT_CODE = 124
@@ -86,6 +86,10 @@ def _watch(ref: weakref.ReferenceType[Watchdog], closed: threading.Event) -> Non
         del dog
 
 
+#: How the messages name the backend and where its timeout is set, for shardwise's own mpi groups.
+SHARDWISE_NAMES = ("the mpi backend", "shardwise.init(timeout=...) or SHARDWISE_TIMEOUT")
+
+
 class Watchdog:
     """Ends the job when one blocking MPI call outlasts ``timeout``.
 
@@ -112,8 +116,8 @@ class Watchdog:
         where: Callable[[], str],
         on_expiry: Optional[Callable[[int], None]] = None,
         *,
-        backend: str = "the mpi backend",
-        how_to_set: str = "shardwise.init(timeout=...) or SHARDWISE_TIMEOUT",
+        backend: str = SHARDWISE_NAMES[0],
+        how_to_set: str = SHARDWISE_NAMES[1],
     ) -> None:
         seconds = timeout.total_seconds() if timeout is not None else 0.0
         self.timeout: Optional[float] = seconds if seconds > 0 else None

@@ -109,8 +109,8 @@ class TorchGroup(Group):
             :func:`init_torch_process_group`), ``"group"`` if it must
             destroy ``pg``, None to leave ``pg`` alone (a user's group).
         verify: See :class:`~shardwise.Group`.
-        own_channel: Talk on a process group of its own over the same
-            ranks, made here by every process (collective), and leave
+        own_channel: (``pg`` is ``dist.group.WORLD``) Talk on a process group
+            of its own over the same ranks, made here by every process, and leave
             ``pg`` to other code: the default group's, whose process group
             ``dist.group.WORLD`` torch code such as DDP uses too. A
             collective of this group's worker thread would otherwise meet
@@ -151,8 +151,8 @@ class TorchGroup(Group):
         # What this group's collectives run on: pg, or one of its own (own_channel).
         self._wire_pg: Optional[dist.ProcessGroup] = None
         if own_channel:
-            ranks = None if pg is dist.group.WORLD else dist.get_process_group_ranks(pg)
-            self._wire_pg = dist.new_group(ranks, backend=backend, timeout=self._collective_timeout())
+            assert pg is dist.group.WORLD, "own_channel is for the default process group (every process calls)"
+            self._wire_pg = dist.new_group(backend=backend, timeout=self._collective_timeout())
         # Ranks on one host move CPU data by cross-memory attach (one copy from the
         # sender's memory; gloo copies through a socket): see shardwise._comm.local_copy.
         self._local_copy = self._device.type == "cpu"
@@ -170,15 +170,6 @@ class TorchGroup(Group):
         Raises:
             LaunchError: the group was destroyed (it no longer holds one).
         """
-        return self._main_pg()
-
-    @property
-    def _wire(self) -> dist.ProcessGroup:
-        """The process group this group's collectives run on."""
-        pg = self._main_pg()  # raises once destroyed
-        return pg if self._wire_pg is None else self._wire_pg
-
-    def _main_pg(self) -> dist.ProcessGroup:
         pg = self._pg
         if pg is None:
             raise LaunchError(
@@ -187,6 +178,12 @@ class TorchGroup(Group):
                 "call shardwise.init() again for a new default group"
             )
         return pg
+
+    @property
+    def _wire(self) -> dist.ProcessGroup:
+        """The process group this group's collectives run on."""
+        pg = self.pg  # raises once destroyed
+        return pg if self._wire_pg is None else self._wire_pg
 
     def _reduction_dtype(self, dtype: torch.dtype) -> torch.dtype:
         if dtype == torch.uint64:
@@ -268,7 +265,7 @@ class TorchGroup(Group):
     def _collective_timeout(self) -> Optional[timedelta]:
         """The process group's collective timeout, or None where the backend does not say."""
         try:
-            backend = self._main_pg()._get_backend(self._device)
+            backend = self.pg._get_backend(self._device)
         except (RuntimeError, ValueError):  # no backend for this device (a custom one): its default applies
             return None
         timeout = getattr(getattr(backend, "options", None), "_timeout", None)
@@ -277,7 +274,7 @@ class TorchGroup(Group):
     @_peer_failures("new_group")
     def _new_group(self, ranks: Sequence[int]) -> Optional[Group]:
         member = self.rank in ranks
-        global_ranks = [dist.get_global_rank(self._main_pg(), r) for r in ranks]
+        global_ranks = [dist.get_global_rank(self.pg, r) for r in ranks]
         # torch gives a new group its default timeout (30 min), not its parent's: pass on ours
         # (shardwise.init(timeout=...)) so a subgroup's peer failures surface as soon as the parent's.
         timeout = self._collective_timeout()
@@ -343,7 +340,7 @@ class TorchGroup(Group):
                 group._pg = None
             _owning.clear()
         elif owns == "group":
-            dist.destroy_process_group(self._main_pg())
+            dist.destroy_process_group(self.pg)
         if owns is not None:
             # Dropping the last reference deletes the C++ process group, which
             # (with the GIL released) joins gloo's worker threads. Left running,
