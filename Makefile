@@ -108,7 +108,11 @@ demo-recsys: install
 # - copy_bounds.py, on 2 and 4 ranks: the copies of the scatter, gather and
 #   reshard rows alone (no agreement, rounds or bookkeeping) at their best
 #   split, beside shardwise and raw mpi4py: what bounds the movement targets
-#   (copy-bounds-<N>ranks.md).
+#   (copy-bounds-<N>ranks.md);
+# - after_traffic.py, on 2 and 4 ranks: shardwise over MPI right after other
+#   work (torch._shard's gloo reshard, gloo traffic, memory traffic) and 50 ms
+#   later: what bench.py's interleaving costs its MPI column
+#   (after-traffic-<N>ranks.md).
 # `make bench-core RANKS=4` runs bench.py alone.
 RANKS ?= 2
 BENCH_RESULTS := benchmarks/results
@@ -124,6 +128,8 @@ bench: install
 	$(BIN)/mpiexec -n 4 $(BIN)/python benchmarks/gloo_rounds.py
 	$(BIN)/mpiexec -n 2 $(BIN)/python benchmarks/copy_bounds.py
 	$(BIN)/mpiexec -n 4 $(BIN)/python benchmarks/copy_bounds.py
+	$(BIN)/mpiexec -n 2 $(BIN)/python benchmarks/after_traffic.py
+	$(BIN)/mpiexec -n 4 $(BIN)/python benchmarks/after_traffic.py
 	$(BIN)/python benchmarks/targets.py $(BENCH_RESULTS)/bench-2ranks.md $(BENCH_RESULTS)/bench-4ranks.md \
 		$(BENCH_RESULTS)/dtensor-2ranks.md $(BENCH_RESULTS)/dtensor-4ranks.md \
 		$(BENCH_RESULTS)/pipeline-2ranks.md $(BENCH_RESULTS)/scale.md

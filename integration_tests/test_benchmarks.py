@@ -53,7 +53,8 @@ def test_bench_smoke_writes_table_targets_and_chart(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("script", "result"), [("embedding.py", "embedding.md"),
                                                  ("mpi_collectives.py", "mpi_collectives.md"),
                                                  ("collection.py", "collection-2ranks.md"),
-                                                 ("pipeline.py", "pipeline-2ranks.md")])
+                                                 ("pipeline.py", "pipeline-2ranks.md"),
+                                                 ("after_traffic.py", "after-traffic-2ranks.md")])
 def test_benchmark_smoke(tmp_path: Path, script: str, result: str) -> None:
     out = mpiexec(BENCHMARKS / script, 2, "--smoke", "--out", str(tmp_path))
     text = (tmp_path / result).read_text()
