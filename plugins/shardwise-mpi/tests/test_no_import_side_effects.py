@@ -11,6 +11,7 @@ a registration from another test.
 
 from __future__ import annotations
 
+import re
 import sys
 import textwrap
 
@@ -152,6 +153,6 @@ def test_torch_native_init_process_group_after_the_documented_call() -> None:
     )
     proc = _run([str(MPIEXEC), "-n", "2", sys.executable, "-c", code], 120)
     assert proc.returncode == 0, _show(proc)
-    assert sorted(line for line in proc.stdout.splitlines() if line.startswith("OK")) == ["OK 0", "OK 1"], _show(
-        proc
-    )
+    # Not by line: unbuffered, print writes the newline apart, and mpiexec may put the other
+    # rank's line between ("OK 0OK 1\n\n", seen in 3 of 12 runs on a busy machine).
+    assert sorted(re.findall(r"OK (\d+)", proc.stdout)) == ["0", "1"], _show(proc)
