@@ -98,17 +98,19 @@ def test_register_is_idempotent_and_lazy() -> None:
 def test_a_frozen_rank_is_reported_and_the_job_aborted_after_the_group_timeout(collective: str) -> None:
     # MPI cannot cancel the survivors' blocked call: the watchdog names it and aborts the job. A 4 MiB
     # broadcast at 3 ranks goes by one copy, through the backend's shardwise group, whose watchdog must
-    # name this API and its timeout too (it said "the mpi backend" and shardwise.init).
+    # name this API and its timeout too (it said "the mpi backend" and shardwise.init), and the call made
+    # (it named the all-gather of addresses that the one-copy path runs, which the user never called).
     cmd = [str(MPIEXEC), "-n", "3", sys.executable, str(PROGRAMS / "c10d_frozen_rank.py"), collective]
     proc = _run(cmd, 120)
     assert proc.returncode != 0, _show(proc)
     found = re.search(
-        r'shardwise: rank ([02]) of 3: \w+ on torch.distributed backend "mpi4py" has waited ([\d.]+) s for '
+        r'shardwise: rank ([02]) of 3: (\w+) on torch.distributed backend "mpi4py" has waited ([\d.]+) s for '
         r"its peers, longer than the group's timeout \(4 s, set by init_process_group\(timeout=\.\.\.\)\)",
         proc.stderr,
     )
     assert found, _show(proc)
-    assert 4 <= float(found.group(2)) < 10, found.group(0)
+    assert found.group(2) == collective, found.group(0)
+    assert 4 <= float(found.group(3)) < 10, found.group(0)
     if KIND != "openmpi":
         # Open MPI's MPI_Abort sends SIGCONT before SIGTERM: the frozen rank may wake and finish in the last moment.
         assert "finished although rank 1 froze" not in proc.stdout, _show(proc)

@@ -241,7 +241,8 @@ class MpiProcessGroup(dist.ProcessGroup):
             if self.rank() != opts.rootRank:
                 prefer_huge_pages(t)
             # From 3 ranks MPI's tree copies each byte twice per hop; one copy per receiver is faster.
-            if self._one_copy is not None and local_broadcast(self._one_copy, t, opts.rootRank):
+            one_copy = self._one_copy
+            if one_copy is not None and one_copy._by_one_copy("broadcast", local_broadcast, t, opts.rootRank):
                 continue
             with self._watch("broadcast"):
                 self._C.bcast(self.comm, t, opts.rootRank)

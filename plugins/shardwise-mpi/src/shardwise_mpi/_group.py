@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from array import array
 from datetime import timedelta
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -147,12 +147,31 @@ class MpiGroup(Group):
         backend, how_to_set = watchdog
         where = lambda: f"rank {self.rank} of {self.size}"  # noqa: E731 - read when a message is written
         self._watch = Watchdog(timeout, where, backend=backend, how_to_set=how_to_set)
+        #: The primitive whose one-copy path is running (see _by_one_copy), else None.
+        self._rounds_of: Optional[str] = None
+
+    def _by_one_copy(self, primitive: str, move: Callable[..., bool], *args: Any) -> bool:
+        """``move(self, *args)``, a ``shardwise.sdk.local_*`` function, with its rounds named after ``primitive``.
+
+        The one-copy path swaps addresses and closing codes in all-gathers of
+        a few integers (:meth:`_all_gather_ints`). A rank blocked in one
+        because a peer stopped answering should hear about the call it made
+        ("broadcast"), not about an all-gather it never called.
+
+        Returns:
+            What ``move`` returns: True if the data moved by one copy.
+        """
+        outer, self._rounds_of = self._rounds_of, primitive
+        try:
+            return move(self, *args)
+        finally:
+            self._rounds_of = outer
 
     # -- direct paths (arguments already checked and agreed); see the module docstring --
     def _direct_broadcast(self, tensor: torch.Tensor, src: int) -> bool:
         if not _plain(tensor):
             return False
-        if C.one_copy_broadcast(self.size) and local_broadcast(self, tensor, src):
+        if C.one_copy_broadcast(self.size) and self._by_one_copy("broadcast", local_broadcast, tensor, src):
             return True
         with self._watch(self._describe("broadcast")):
             C.bcast(self.comm, tensor, src)
@@ -168,7 +187,7 @@ class MpiGroup(Group):
     def _direct_all_gather(self, tensor: torch.Tensor, out: torch.Tensor) -> bool:
         if not (_plain(tensor) and _plain(out)):
             return False
-        if local_all_gather(self, out, tensor, [tensor.numel()] * self.size):
+        if self._by_one_copy("all_gather", local_all_gather, out, tensor, [tensor.numel()] * self.size):
             return True
         with self._watch(self._describe("all_gather")):
             C.allgatherv(self.comm, out, tensor, [tensor.numel()] * self.size)
@@ -196,7 +215,7 @@ class MpiGroup(Group):
         result = out if out is not None else empty_like(tensor, (sum(outs), *trailing))
         per_row = math.prod(trailing)
         out_counts, in_counts = [o * per_row for o in outs], [i * per_row for i in ins]
-        if local_all_to_all(self, result.view(-1), out_counts, tensor.view(-1), in_counts):
+        if self._by_one_copy("all_to_all", local_all_to_all, result.view(-1), out_counts, tensor.view(-1), in_counts):
             return result
         with self._watch(self._describe("all_to_all")):
             C.alltoallv(self.comm, result, out_counts, tensor, in_counts)
@@ -204,7 +223,7 @@ class MpiGroup(Group):
 
     def _all_gather_ints(self, out: array, inp: array) -> None:
         """Agreements' rows and the one-copy path's integers: MPI's all-gather on the arrays, no tensor."""
-        with self._watch(self._describe("all_gather")):
+        with self._watch(self._describe(self._rounds_of or "all_gather")):
             self.comm.Allgather(inp, out)
 
     # -- primitives ------------------------------------------------------------
@@ -216,7 +235,7 @@ class MpiGroup(Group):
             C.barrier(self.comm)
 
     def _broadcast(self, buf: torch.Tensor, src: int) -> None:
-        if C.one_copy_broadcast(self.size) and local_broadcast(self, buf, src):
+        if C.one_copy_broadcast(self.size) and self._by_one_copy("broadcast", local_broadcast, buf, src):
             return
         with self._watch(self._describe("broadcast")):
             C.bcast(self.comm, buf, src)
@@ -228,7 +247,7 @@ class MpiGroup(Group):
     # The data-moving primitives offer their buffers to the one-copy path first (outside the
     # watchdog: it runs primitives of its own, each watched).
     def _all_gather(self, out: torch.Tensor, inp: torch.Tensor, counts: Sequence[int]) -> None:
-        if local_all_gather(self, out, inp, counts):
+        if self._by_one_copy("all_gather", local_all_gather, out, inp, counts):
             return
         with self._watch(self._describe("all_gather")):
             C.allgatherv(self.comm, out, inp, counts)
@@ -240,19 +259,19 @@ class MpiGroup(Group):
     def _all_to_all(
         self, out: torch.Tensor, out_counts: Sequence[int], inp: torch.Tensor, in_counts: Sequence[int]
     ) -> None:
-        if local_all_to_all(self, out, out_counts, inp, in_counts):
+        if self._by_one_copy("all_to_all", local_all_to_all, out, out_counts, inp, in_counts):
             return
         with self._watch(self._describe("all_to_all")):
             C.alltoallv(self.comm, out, out_counts, inp, in_counts)
 
     def _gather(self, out: Optional[torch.Tensor], counts: Sequence[int], inp: torch.Tensor, dst: int) -> None:
-        if local_gather(self, out, counts, inp, dst):
+        if self._by_one_copy("gather", local_gather, out, counts, inp, dst):
             return
         with self._watch(self._describe("gather")):
             C.gatherv(self.comm, out, inp, counts, dst)
 
     def _scatter(self, out: torch.Tensor, inp: Optional[torch.Tensor], counts: Sequence[int], src: int) -> None:
-        if local_scatter(self, out, inp, counts, src):
+        if self._by_one_copy("scatter", local_scatter, out, inp, counts, src):
             return
         with self._watch(self._describe("scatter")):
             C.scatterv(self.comm, out, inp, counts, src)
