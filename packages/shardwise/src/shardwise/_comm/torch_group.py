@@ -285,23 +285,22 @@ class TorchGroup(Group):
         # Only this group's ranks call, so only the members may make the group (use_local_synchronization),
         # and torch names such a group after its ranks and how many process groups the calling rank holds.
         # Members holding different numbers would wait for each other under different names until the
-        # timeout: agree first, and fail together instead.
+        # timeout: agree on the numbers first, and bring every member up to the largest.
         held = array("q", [len(_c10d._world.pg_names)])  # private, but what torch's name is made of
         table = array("q", bytes(8 * self.size))
         self._all_gather_ints(table, held)
-        counts = {r: table[r] for r in ranks}
-        if len(set(counts.values())) > 1:
-            raise ValueError(
-                f"new_group({sorted(ranks)}) of a {self.size}-rank subgroup cannot be made over torch: torch names "
-                "a process group that only its members make after the number of process groups each member "
-                f"already holds, and the members hold different numbers (by rank of this group: {counts}), so "
-                "they would wait for each other under different names. Make it from a group of every rank instead "
-                "(shardwise.get_default_group().new_group(<global ranks>)), or make the same subgroups on "
-                "every rank."
-            )
         if not member:
             return None
+        most = max(table[r] for r in ranks)
+        # A process group of this rank alone raises its count by one, names nothing a peer makes (its
+        # name hashes this rank) and costs no round: the members then name the subgroup alike.
+        pads = [
+            dist.new_group([dist.get_rank()], backend=self.backend, timeout=timeout, use_local_synchronization=True)
+            for _ in range(most - table[self.rank])
+        ]
         sub = dist.new_group(global_ranks, backend=self.backend, timeout=timeout, use_local_synchronization=True)
+        for pad in pads:
+            dist.destroy_process_group(pad)
         return TorchGroup(sub, device=self._device, owns="group", verify=self.verify)
 
     def destroy(self) -> None:
