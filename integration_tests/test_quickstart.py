@@ -206,9 +206,18 @@ def test_docs_quick_start_page_shows_the_same_blocks() -> None:
     """docs/quickstart.md repeats the README's three blocks; they must not drift apart."""
     readme = README.read_text(encoding="utf-8")
     page = (REPO / "docs" / "quickstart.md").read_text(encoding="utf-8")
-    for marker in ("quickstart:install", "quickstart:program", "quickstart:launch"):
+    for marker in ("quickstart:install", "quickstart:install-from-clone", "quickstart:program", "quickstart:launch"):
         lang, body = _block_after(marker, readme)
         assert f"```{lang}\n{body}```" in page, f"docs/quickstart.md lacks the README's {marker} block, as written"
+
+
+def test_docs_shard_example_is_the_program_ci_runs() -> None:
+    """docs/quickstart.md says its shard_example.py runs in CI as programs/sharded_readme.py: the same code."""
+    page = (REPO / "docs" / "quickstart.md").read_text(encoding="utf-8")
+    start = page.index("```python\n# shard_example.py\n") + len("```python\n# shard_example.py\n")
+    shown = page[start : page.index("```", start)]
+    program = (REPO / "integration_tests" / "programs" / "sharded_readme.py").read_text(encoding="utf-8")
+    assert program.split('"""\n\n', 1)[1] == shown, "docs/quickstart.md's shard_example.py and sharded_readme.py differ"
 
 
 def test_readme_shows_a_torchrun_and_an_mpiexec_launch() -> None:
@@ -233,3 +242,46 @@ def test_quickstart_runs_as_the_readme_shows(
             f"`{command}` (run {attempt} of {LAUNCH_REPEATS}) printed (in any order) other lines than README.md "
             f"shows.\nREADME.md:\n{shown}\nstdout (all ranks):\n{out}\nstderr (all ranks):\n{err}"
         )
+
+
+def _from_clone_pip_lines() -> list[str]:
+    """The ``pip install`` lines of the block after ``<!-- quickstart:install-from-clone -->``."""
+    _, block = _block_after("quickstart:install-from-clone", README.read_text(encoding="utf-8"))
+    lines = [line.strip() for line in block.splitlines() if line.strip()]
+    assert lines[0].startswith("python -m venv ") and len(lines) == 2, f"a venv, then pip install:\n{block}"
+    assert lines[1].startswith("pip install -c constraints.txt ./"), block
+    return lines[1:]
+
+
+@pytest.mark.timeout(SETUP_TIMEOUT * 3 + LAUNCH_TIMEOUT)
+def test_the_install_from_a_clone_gives_a_working_quickstart(tmp_path: Path) -> None:
+    # The README's from-clone line, run in the clone's top directory as it says, into a venv of this
+    # test's own (the block's first line would make one in the user's home): then one mpiexec launch.
+    (pip_line,) = _from_clone_pip_lines()
+    code, out, err = _run(f"{shlex.quote(sys.executable)} -m venv venv", dict(os.environ), tmp_path, SETUP_TIMEOUT)
+    assert code == 0, f"python -m venv failed:\n{out}\n{err}"
+    bin_dir = tmp_path / "venv" / "bin"
+    env = _environment(
+        PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+        VIRTUAL_ENV=str(tmp_path / "venv"),
+        PIP_DISABLE_PIP_VERSION_CHECK="1",
+    )
+    for name in ("PYTHONPATH", "PYTHONHOME", "PYTHONUNBUFFERED", "SHARDWISE_TIMEOUT", "PIP_CONSTRAINT"):
+        env.pop(name, None)
+    report_path = tmp_path / "report.json"
+    dry = pip_line.replace("pip install ", f"pip install --dry-run -q --report {shlex.quote(str(report_path))} ", 1)
+    code, out, err = _run(dry, env, REPO, SETUP_TIMEOUT)
+    if code != 0:
+        _pip_failure(dry, code, out, err)
+    report = json.loads(report_path.read_text())
+    torch_versions = [item["metadata"]["version"] for item in report["install"] if item["metadata"]["name"] == "torch"]
+    if torch_versions and not torch_versions[0].endswith("+cpu"):
+        pytest.skip(f"`{pip_line}` would install torch {torch_versions[0]}, not the CPU build: no CPU wheel here")
+    code, out, err = _run(pip_line, env, REPO, SETUP_TIMEOUT)
+    if code != 0:
+        _pip_failure(pip_line, code, out, err)
+    (tmp_path / "quickstart.py").write_text(PROGRAM, encoding="utf-8")
+    command, expected = next((cmd, lines) for cmd, lines in LAUNCHES if cmd.startswith("mpiexec "))
+    code, out, err = _run(command, env, tmp_path, LAUNCH_TIMEOUT)
+    assert code == 0, f"`{command}` exited {code};\nstdout (all ranks):\n{out}\nstderr (all ranks):\n{err}"
+    assert Counter(line.rstrip() for line in out.splitlines() if line.strip()) == Counter(expected), out + err

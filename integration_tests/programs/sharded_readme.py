@@ -1,5 +1,7 @@
 """The README's end-to-end example: shard a parameter, run a pointwise op, reshard, gather."""
 
+import sys
+
 import torch
 
 import shardwise
@@ -15,17 +17,18 @@ dense = model.weight.detach().clone()
 rows = ChunkShardingSpec(dim=0, placements=[f"rank:{r}/cpu" for r in range(size)])
 shard_parameter(model, "weight", rows)  # rank 0's weight, scattered by rows
 w = model.weight  # a ShardedTensor, and still an nn.Parameter
-print(f"rank {rank} ({group.backend}): {type(w).__name__} {list(w.size())}, local rows {list(w.local_tensor().shape)}")
+local = list(w.local_tensor().shape)
+sys.stdout.write(f"rank {rank} ({group.backend}): {type(w).__name__} {list(w.size())}, local rows {local}\n")
 
 y = torch.relu(w * 2 - 1)  # pointwise ops run on the local shards, with autograd
 cols = ChunkShardingSpec(dim=1, placements=[f"rank:{r}/cpu" for r in reversed(range(size))])
-y.reshard(cols)  # rows -> columns: one all-to-all, each element sent at most once
-print(f"rank {rank}: after reshard, local columns {list(y.local_tensor().shape)}")
+y.reshard(cols)  # rows -> columns: an all-to-all, each element sent at most once
+sys.stdout.write(f"rank {rank}: after reshard, local columns {list(y.local_tensor().shape)}\n")
 
 full = torch.empty(y.size()) if rank == 0 else None
 y.gather(dst=0, out=full)  # the whole tensor on rank 0
 if rank == 0:
     assert full is not None and torch.equal(full, torch.relu(dense * 2 - 1))
-    print("rank 0: gathered tensor equals the dense computation")
+    sys.stdout.write("rank 0: gathered tensor equals the dense computation\n")
 assert torch.equal(y.full_tensor(), torch.relu(dense * 2 - 1))  # ... or on every rank
 shardwise.destroy()

@@ -208,3 +208,46 @@ def test_in_process_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str], mon
     assert status == 1 and "table #0 ('x.y')" in err
     status, out, err = _run(capsys, tables, "--world-size", "2", "--pooling-factor", "-1")
     assert status == 1 and "default_pooling_factor must be a number >= 0" in err
+
+
+# -- the docs' examples ----------------------------------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[3]
+#: The pages whose console blocks run ``shardwise plan`` on ``examples/criteo_tables.json``.
+PAGES = ("README.md", "docs/collections.md", "docs/cli.md")
+
+
+def _shown_runs(text: str) -> list[tuple[list[str], list[str]]]:
+    """Each ``$ shardwise plan ...`` line of ``text``'s console blocks: its arguments and the lines shown after it."""
+    runs: list[tuple[list[str], list[str]]] = []
+    shown: list[str] = []
+    for line in text.splitlines():
+        if line.startswith("$ shardwise plan "):
+            shown = []
+            runs.append((line[len("$ shardwise plan ") :].split("#")[0].split(), shown))
+        elif line.startswith(("$", "```")):
+            shown = []  # another command, or the block's end: what follows belongs to no plan run
+        elif line.strip() not in ("", "...") and runs and shown is runs[-1][1]:
+            shown.append(line.rstrip())
+    return runs
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_the_docs_show_what_shardwise_plan_prints_for_the_example_tables(
+    page: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    runs = _shown_runs((ROOT / page).read_text(encoding="utf-8"))
+    assert runs, f"{page} shows no `shardwise plan` run"
+    monkeypatch.chdir(ROOT)  # the pages name the tables by their path in the repository
+    for argv, shown in runs:
+        assert argv[0] == "examples/criteo_tables.json", (page, argv)
+        if "--output" in argv:
+            at = argv.index("--output") + 1
+            argv[at] = str(tmp_path / argv[at])
+        status, out, err = _run(capsys, *argv)
+        printed = [line.rstrip() for line in (out + err).splitlines()]
+        missing = [line for line in shown if line not in printed]
+        assert not missing, f"{page}: `shardwise plan {' '.join(argv)}` (exit {status}) did not print {missing}"
+        if "--output" in argv:
+            plan = EmbeddingShardingPlan.from_json(Path(argv[at]).read_text())
+            assert status == 0 and plan.world_size == 16 and len(plan.tables) == 26, (status, plan)
