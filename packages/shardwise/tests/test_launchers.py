@@ -44,12 +44,16 @@ def test_openmpi() -> None:
     assert (info.launcher, info.family, info.rank, info.world_size, info.local_rank) == ("openmpi", "mpi", 5, 6, 2)
     assert info.local_world_size == 3 and info.master_addr is None
     assert "mpirun -x MASTER_ADDR" in info.rendezvous_hint
+    # Under an MPI launcher the mpi backend is the other way out; most often it is installed and only
+    # needs choosing (the hint said only "pip install shardwise-mpi[mpich]").
+    assert 'shardwise.init("mpi")' in info.rendezvous_hint and "SHARDWISE_BACKEND=mpi" in info.rendezvous_hint
 
 
 def test_mpich_hydra_and_intel_mpi() -> None:
     info = detect(HYDRA)
     assert (info.launcher, info.family, info.rank, info.world_size, info.local_rank) == ("mpich", "mpi", 1, 4, 1)
     assert detect({**HYDRA, "I_MPI_ROOT": "/opt/intel"}).launcher == "intel-mpi"
+    assert "mpiexec -genv MASTER_ADDR" in info.rendezvous_hint and 'shardwise.init("mpi")' in info.rendezvous_hint
 
 
 def test_srun_derives_a_rendezvous() -> None:

@@ -20,7 +20,8 @@ from torch.distributed._shard.sharding_spec import ChunkShardingSpec as TorchChu
 
 import shardwise
 from shardwise import sharded_tensor
-from shardwise._vocab.metadata import Placement, PlacementError
+from shardwise._vocab.metadata import Placement
+from shardwise.errors import PlacementError  # public: the docs name it (it lived in a private module)
 from shardwise.sharding_spec import ChunkShardingSpec, DevicePlacementSpec, ShardMetadata
 
 from rank_helpers import HAS_TORCH_PG, outcome, run

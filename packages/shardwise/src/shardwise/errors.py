@@ -21,6 +21,8 @@ __all__ = [
     "OpNotFoundError",
     "PeerError",
     "PeerLostError",
+    "PlacementError",
+    "PlacementTypeError",
     "PluginError",
     "ShardwiseError",
     "UnsafeCheckpointError",
@@ -123,4 +125,21 @@ class UnsafeCheckpointError(ShardwiseError, pickle.UnpicklingError):
     Raised by ``shardwise._modules.checkpoint.load`` for a ``.metadata`` file that
     refers to anything but DCP's metadata types, or a saved value that
     ``torch.load(weights_only=True)`` refuses. Nothing from it was called.
+    """
+
+
+class PlacementError(ShardwiseError, ValueError, RuntimeError):
+    """A placement names a device torch does not know (``rank:0/cuda:x``, ``rank:0/foo``), or one its rank cannot use.
+
+    Both a ``ValueError`` (what shardwise raised for every malformed
+    placement) and a ``RuntimeError`` (what torch 2.13 raises for a bad
+    device string or a missing CUDA device ordinal), so ``except`` clauses
+    written for either keep working.
+    """
+
+
+class PlacementTypeError(ShardwiseError, TypeError, ValueError):
+    """A placement is neither a string, a ``torch.device`` nor a placement object.
+
+    A ``TypeError`` as in torch 2.13, and a ``ValueError`` as shardwise raised before.
     """

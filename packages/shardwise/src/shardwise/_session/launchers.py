@@ -23,6 +23,12 @@ _RENDEZVOUS_HINT = (
     "set MASTER_ADDR (the host of rank 0, reachable from every rank) and "
     "MASTER_PORT (a free TCP port on it) to the same values on every rank"
 )
+#: The other way out under an MPI launcher: its own backend, which needs no address. Where it is
+#: installed (most likely, under mpiexec) the user only has to choose it.
+_MPI_INSTEAD = (
+    "or use the mpi backend (`shardwise.init(\"mpi\")`, or SHARDWISE_BACKEND=mpi; where `shardwise info` "
+    "does not list it, `pip install shardwise-mpi[mpich]`)"
+)
 
 # Slurm reports the batch and extern steps with these ids; a shell in them
 # has SLURM_PROCID=0 but is not one rank of a multi-rank launch.
@@ -83,7 +89,7 @@ def _detect_openmpi(env: Mapping[str, str]) -> Optional[LaunchInfo]:
         master_port=port,
         rendezvous_hint=_RENDEZVOUS_HINT
         + " (e.g. `mpirun -x MASTER_ADDR=$(hostname) -x MASTER_PORT=29500 ...`), "
-        "or use the mpi backend (`pip install shardwise-mpi[mpich]`)",
+        + _MPI_INSTEAD,
     )
 
 
@@ -103,7 +109,7 @@ def _detect_pmi(env: Mapping[str, str]) -> Optional[LaunchInfo]:
         master_port=port,
         rendezvous_hint=_RENDEZVOUS_HINT
         + " (e.g. `mpiexec -genv MASTER_ADDR $(hostname) -genv MASTER_PORT 29500 ...`), "
-        "or use the mpi backend (`pip install shardwise-mpi[mpich]`)",
+        + _MPI_INSTEAD,
     )
 
 

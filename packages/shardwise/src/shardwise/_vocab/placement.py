@@ -6,28 +6,11 @@ from typing import Any, Optional, Union
 
 import torch
 
-from shardwise.errors import ShardwiseError
+from shardwise.errors import PlacementError, PlacementTypeError
 
 __all__ = ["Placement", "PlacementError", "PlacementTypeError", "unusable_reason"]
 
 _PARSE_HINT = "The valid format is '<workername>/<device>' or 'rank:<rank>/<device>' or '<device>'"
-
-
-class PlacementError(ShardwiseError, ValueError, RuntimeError):
-    """A placement names a device torch does not know (``rank:0/cuda:x``, ``rank:0/foo``), or one its rank cannot use.
-
-    Both a ``ValueError`` (what shardwise raised for every malformed
-    placement) and a ``RuntimeError`` (what torch 2.13 raises for a bad
-    device string or a missing CUDA device ordinal), so ``except`` clauses
-    written for either keep working.
-    """
-
-
-class PlacementTypeError(ShardwiseError, TypeError, ValueError):
-    """A placement is neither a string, a ``torch.device`` nor a placement object.
-
-    A ``TypeError`` as in torch 2.13, and a ``ValueError`` as shardwise raised before.
-    """
 
 
 def _parse_device(device: Any, spec: Any) -> torch.device:
