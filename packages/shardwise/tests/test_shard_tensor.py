@@ -189,5 +189,26 @@ def test_bad_input_raises_on_every_rank() -> None:
     results = _run(bad_inputs, 3)
     check_errors(results, EXPECTED_ALL, EXPECTED_ONE)
     for seen in results:
+        assert "runs alone" not in seen["outside_group"][1]  # three ranks: the placement is simply wrong
         assert "rank 2 passed {'type': 'chunk', 'dim': 1" in seen["spec_mismatch"][1]
         assert "ends at 8 in dim 0, outside the tensor of size [7, 5]" in seen["other_size"][1]
+
+
+def placed_on_a_second_rank() -> dict[str, tuple[str, str]]:
+    group = shardwise.get_default_group()
+    two = ChunkShardingSpec(0, _place([0, 1]))
+    seen = {"alone": _outcome(lambda: shard_tensor(torch.zeros(4, 2), two))}
+    sub = group.new_group([0])
+    if sub is not None:  # a subgroup of one inside a larger job: no launcher is missing
+        seen["subgroup"] = _outcome(lambda: shard_tensor(torch.zeros(4, 2), two, process_group=sub))
+    return seen
+
+
+def test_a_program_for_more_ranks_run_alone_is_told_to_use_a_launcher() -> None:
+    (alone,) = _run(placed_on_a_second_rank, 1)
+    kind, message = alone["alone"]
+    assert kind == "ValueError" and "this process runs alone (rank 0 of 1)" in message, message
+    assert "torchrun --nproc-per-node N" in message and "mpiexec -n N" in message, message
+    assert message.endswith("Global rank 1 does not exist in input process group: [0]"), message  # torch's words
+    first, _ = _run(placed_on_a_second_rank, 2)
+    assert first["subgroup"][0] == "ValueError" and "runs alone" not in first["subgroup"][1], first

@@ -8,7 +8,7 @@ import torch
 
 from shardwise._comm.default_group import resolve_group
 from shardwise._comm.group import Group
-from shardwise._tensor.placements import check_no_rrefs, flatten_size, validate_placements
+from shardwise._tensor.placements import alone_hint, check_no_rrefs, flatten_size, validate_placements
 from shardwise._tensor.specs import ShardingSpec, infer_sharding_spec
 from shardwise._vocab.metadata import (
     ShardMetadata,
@@ -35,8 +35,8 @@ def _local_payload(local_shards: list[Shard], global_size: tuple[Any, ...], grou
         if placed is not None and placed not in group.ranks:
             raise ValueError(
                 f"local shard {i} ({md.describe()}) is placed on rank {placed}, but the group has {group.size} "
-                f"rank(s) ({group.describe_members()}): Global rank {placed} does not exist in input process "
-                f"group: {list(group.ranks)}"
+                f"rank(s) ({group.describe_members()}){alone_hint(group.size)}: Global rank {placed} does not "
+                f"exist in input process group: {list(group.ranks)}"
             )
         if md.placement is None or md.placement.rank() != rank:
             raise ValueError(

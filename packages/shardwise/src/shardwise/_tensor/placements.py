@@ -12,10 +12,12 @@ from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
+from shardwise._comm.default_group import current_default_group
 from shardwise._vocab.metadata import Placement, PlacementError, ShardMetadata
 
 __all__ = [
     "agree_on_local_devices",
+    "alone_hint",
     "check_local_devices",
     "check_no_rrefs",
     "flatten_size",
@@ -87,9 +89,25 @@ def validate_placements(shards: Sequence[ShardMetadata], group: Any, *, need_ran
         members = list(group.ranks) if not isinstance(group, int) else list(range(size))
         where = f"0..{size - 1}" if to_group is None else f"global ranks {members}; placements name global ranks"
         raise ValueError(
-            f"shard {i} ({shard.describe()}) is placed on rank {rank}, but the group has {size} rank(s) ({where}): "
-            f"Global rank {rank} does not exist in input process group: {members}"
+            f"shard {i} ({shard.describe()}) is placed on rank {rank}, but the group has {size} rank(s) ({where})"
+            f"{alone_hint(size)}: Global rank {rank} does not exist in input process group: {members}"
         )
+
+
+def alone_hint(size: int) -> str:
+    """What to add where a placement names a rank a group of ``size`` lacks: a group of one was probably not launched.
+
+    A program written for N ranks and started with plain ``python`` runs as
+    rank 0 of 1 (no launcher found), and its first placement on rank 1 is
+    where it fails: say so, with the fix.
+    """
+    world = current_default_group()
+    if size != 1 or (world is not None and world.size != 1):
+        return ""  # a subgroup of one in a larger job: the placement is simply wrong
+    return (
+        "; this process runs alone (rank 0 of 1): a program that places shards on more ranks must be started "
+        "by a launcher, e.g. `torchrun --nproc-per-node N prog.py` or `mpiexec -n N python prog.py`"
+    )
 
 
 def off_cpu(placements: Iterable[Optional[Placement]]) -> bool:
