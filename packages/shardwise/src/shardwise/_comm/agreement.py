@@ -60,7 +60,7 @@ _log = logging.getLogger("shardwise.agreement")
 
 _OPS = (
     "barrier", "broadcast", "all_reduce", "all_gather", "reduce_scatter",
-    "all_to_all", "scatter", "gather", "exchange", "new_group", "agree",
+    "all_to_all", "scatter", "gather", "exchange", "new_group", "agree", "destroy",
 )
 
 #: The error kinds a rank's failed check is reported to its peers as, most
@@ -309,8 +309,10 @@ def raise_verdict(rows: Rows, op: str, check_ops: bool = True) -> None:
     ops = {rows.op(r) for r in range(rows.size)}
     if len(ops) > 1:
         calls = ", ".join(f"rank {r}: {rows.op(r)}" for r in range(rows.size))
+        # The rows name primitives; an API built on one ("full_tensor" on "exchange") is named too.
+        within = "" if op in ops else f"{op}: "
         raise _mismatch(
-            f"ranks called different collectives at the same point ({calls}); "
+            f"{within}ranks called different collectives at the same point ({calls}); "
             "every rank must call the same collectives in the same order"
         )
     check_same(rows, rows.root, what="root rank")

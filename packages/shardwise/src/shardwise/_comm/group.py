@@ -86,11 +86,17 @@ T = TypeVar("T")
 
 
 def _stopping_async(method: Callable[[Group], None], *, drain: bool) -> Callable[[Group], None]:
-    """``method`` (a backend's destroy or destroy_local), after stopping the group's worker thread."""
+    """``method`` (a backend's destroy or destroy_local), after stopping the group's worker thread.
+
+    Before a backend's ``destroy`` (``drain``), every rank's destroy first meets
+    in a handshake (see :meth:`Group._agree_to_end`).
+    """
 
     @functools.wraps(method)
     def run(self: Group) -> None:
         self._stop_async(drain=drain)
+        if drain:
+            self._agree_to_end()
         method(self)
 
     run._stops_async = True  # type: ignore[attr-defined]
@@ -344,9 +350,32 @@ class Group(abc.ABC):
 
         Every rank calls it after its last collective; it may wait for the
         other ranks (a barrier) so none tears down connections a peer still uses.
-        Asynchronous collectives still pending finish first.
+        Asynchronous collectives still pending finish first. When verifying,
+        every rank's destroy first meets in a handshake (:meth:`_agree_to_end`).
+
+        Raises:
+            CollectiveMismatchError: when verifying, a peer called another
+                collective; the group is left whole (:meth:`destroy_local`
+                releases it).
         """
         self._stop_async(drain=True)
+
+    def _agree_to_end(self) -> None:
+        """When verifying, meet every rank's ``destroy`` in a handshake, as a collective's arguments are.
+
+        A rank that destroys the group while a peer is still in another
+        collective (the peer's program took another branch) would otherwise
+        wait in the backend's teardown, and the peer in its collective, until
+        the timeout, each error naming only the call its own rank made. The
+        handshake meets the peer's: both raise ``CollectiveMismatchError`` at
+        once, naming what each rank called.
+
+        Raises:
+            CollectiveMismatchError: a rank called another collective.
+            PeerLostError: a peer is gone (as the backend's own barrier would).
+        """
+        if self.verify and self.is_member and self.size > 1:
+            self._handshake(lambda: Call(op="destroy"))
 
     def destroy_local(self) -> None:
         """Release this rank's resources without waiting for or talking to the other ranks.

@@ -268,6 +268,9 @@ def destroy() -> None:
     Raises:
         PeerLostError: a peer died or did not arrive within the timeout;
             this rank's resources are released all the same.
+        CollectiveMismatchError: when verifying, a peer called another
+            collective instead (it raises too, at once); this rank's
+            resources are released all the same.
     """
     global _owner_pid
     with _lock:
