@@ -96,8 +96,16 @@ def _stopping_async(method: Callable[[Group], None], *, drain: bool) -> Callable
     def run(self: Group) -> None:
         self._stop_async(drain=drain)
         if drain:
-            self._agree_to_end()
-        method(self)
+            if not self._ending_locally:
+                self._agree_to_end()
+            method(self)
+            return
+        # A backend's destroy_local may call its destroy (the default does): that one must not talk to peers.
+        self._ending_locally = True
+        try:
+            method(self)
+        finally:
+            self._ending_locally = False
 
     run._stops_async = True  # type: ignore[attr-defined]
     return run
@@ -134,6 +142,8 @@ class Group(abc.ABC):
     is_member: bool = True
     #: Runs the data movement of asynchronous collectives; made on the first one.
     _worker: Optional[Worker] = None
+    #: True while destroy_local runs: a destroy it calls skips the closing handshake.
+    _ending_locally: bool = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -390,7 +400,11 @@ class Group(abc.ABC):
         fail (their ``wait()`` raises); a running one is left to end.
         """
         self._stop_async(drain=False)
-        self.destroy()
+        self._ending_locally = True  # the destroy below must not meet its peers (see _stopping_async)
+        try:
+            self.destroy()
+        finally:
+            self._ending_locally = False
 
     # -- direct paths a backend may offer --------------------------------------
     # Each gets a call whose arguments are checked and (when verifying) agreed
