@@ -3,9 +3,10 @@
 A program whose ranks took different branches (one rank ends and destroys
 the group, another still calls a collective) waited before until the group's
 timeout, each rank's error naming only its own call ("barrier" from the
-teardown). When verifying, both now raise ``CollectiveMismatchError`` naming
-what each rank called; without verification they still wait (nothing else
-can tell).
+teardown). Where a backend's destroy waits for its peers anyway (gloo and
+nccl), both now raise ``CollectiveMismatchError`` naming what each rank
+called, when verifying; without verification they still wait (nothing else
+can tell). The mpi backend's destroy returns at once, as before.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from shardwise import ChunkShardingSpec, shard_tensor
 from shardwise._comm.agreement import Call
 from shardwise.errors import CollectiveMismatchError
 
-from rank_helpers import outcome
+from rank_helpers import TEST_BACKEND, outcome
 from rank_helpers import run as _run
 
 
@@ -47,6 +48,7 @@ def one_rank_destroys_while_another_gathers() -> dict[str, object]:
     return seen
 
 
+@pytest.mark.skipif(TEST_BACKEND == "mpi", reason="the mpi backend's destroy waits for no one (next test)")
 def test_a_rank_that_destroys_meets_a_peer_still_in_a_collective() -> None:
     results = _run(one_rank_destroys_while_another_gathers, 2)
     for rank, seen in enumerate(results):
@@ -60,12 +62,38 @@ def test_a_rank_that_destroys_meets_a_peer_still_in_a_collective() -> None:
             assert seen[f"{peer_call} seconds"] < 30, seen  # type: ignore[operator]
 
 
-class _Scripted(shardwise.Group):
-    """Rank 0 of two whose peer's handshake row is scripted; like the mpi backend, it overrides destroy only."""
+def one_rank_destroys_while_another_works() -> float:
+    g = shardwise.get_default_group()
+    sub = g.new_group(list(range(g.size)))
+    assert sub is not None
+    sub.all_reduce(torch.ones(1))
+    if g.rank == 0:
+        time.sleep(2.0)  # work outside any collective before destroying
+    started = time.monotonic()
+    sub.destroy()
+    took = time.monotonic() - started
+    g.barrier()
+    return took
 
-    def __init__(self, peer: Call, verify: bool = True) -> None:
+
+@pytest.mark.skipif(TEST_BACKEND != "mpi", reason="over gloo destroy waits for every rank (a barrier)")
+def test_the_mpi_backends_destroy_still_waits_for_no_one() -> None:
+    _, took = _run(one_rank_destroys_while_another_works, 2)
+    assert took < 1.0, took
+
+
+class _Scripted(shardwise.Group):
+    """Rank 0 of two whose peer's handshake row is scripted; like the mpi backend, it overrides destroy only.
+
+    ``waits``: its destroy waits for the peers (as gloo's), so the handshake applies.
+    """
+
+    def __init__(self, peer: Call, verify: bool = True, waits: bool = True) -> None:
         super().__init__(backend="scripted", rank=0, size=2, device=torch.device("cpu"), verify=verify)
-        self.peer, self.rounds, self.destroyed = peer, 0, False
+        self.peer, self.waits, self.rounds, self.destroyed = peer, waits, 0, False
+
+    def _destroy_waits(self) -> bool:
+        return self.waits
 
     def _all_gather(self, out: torch.Tensor, inp: torch.Tensor, counts: Any) -> None:
         self.rounds += 1
@@ -119,5 +147,11 @@ def test_destroy_local_never_talks_to_peers_even_through_destroy() -> None:
 
 def test_without_verification_destroy_has_no_handshake() -> None:
     group = _Scripted(Call("all_reduce"), verify=False)
+    group.destroy()
+    assert (group.rounds, group.destroyed) == (0, True)
+
+
+def test_a_backend_whose_destroy_waits_for_no_one_has_no_handshake() -> None:
+    group = _Scripted(Call("all_reduce"), waits=False)
     group.destroy()
     assert (group.rounds, group.destroyed) == (0, True)

@@ -361,7 +361,8 @@ class Group(abc.ABC):
         Every rank calls it after its last collective; it may wait for the
         other ranks (a barrier) so none tears down connections a peer still uses.
         Asynchronous collectives still pending finish first. When verifying,
-        every rank's destroy first meets in a handshake (:meth:`_agree_to_end`).
+        and where destroy waits for the other ranks, every rank's destroy first
+        meets in a handshake (:meth:`_agree_to_end`).
 
         Raises:
             CollectiveMismatchError: when verifying, a peer called another
@@ -370,21 +371,28 @@ class Group(abc.ABC):
         """
         self._stop_async(drain=True)
 
+    def _destroy_waits(self) -> bool:
+        """Whether this backend's :meth:`destroy` waits for every rank (a barrier); default: it does not."""
+        return False
+
     def _agree_to_end(self) -> None:
         """When verifying, meet every rank's ``destroy`` in a handshake, as a collective's arguments are.
 
-        A rank that destroys the group while a peer is still in another
-        collective (the peer's program took another branch) would otherwise
-        wait in the backend's teardown, and the peer in its collective, until
-        the timeout, each error naming only the call its own rank made. The
-        handshake meets the peer's: both raise ``CollectiveMismatchError`` at
-        once, naming what each rank called.
+        Only where the backend's ``destroy`` waits for its peers anyway
+        (:meth:`_destroy_waits`: gloo and nccl, on a group that made its
+        process groups). There a rank that destroys the group while a peer
+        is still in another collective (the peer's program took another
+        branch) would wait in the teardown's barrier, and the peer in its
+        collective, until the timeout, each error naming only its own call.
+        The handshake meets the peer's: both raise ``CollectiveMismatchError``
+        at once, naming what each rank called. A backend whose ``destroy``
+        returns at once (mpi) keeps doing so.
 
         Raises:
             CollectiveMismatchError: a rank called another collective.
             PeerLostError: a peer is gone (as the backend's own barrier would).
         """
-        if self.verify and self.is_member and self.size > 1:
+        if self.verify and self.is_member and self.size > 1 and self._destroy_waits():
             self._handshake(lambda: Call(op="destroy"))
 
     def destroy_local(self) -> None:

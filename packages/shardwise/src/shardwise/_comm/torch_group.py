@@ -303,13 +303,17 @@ class TorchGroup(Group):
             dist.destroy_process_group(pad)
         return TorchGroup(sub, device=self._device, owns="group", verify=self.verify)
 
+    def _destroy_waits(self) -> bool:
+        # Only a group that made process groups waits for its peers before releasing them.
+        return self._owns is not None or self._wire_pg is not None
+
     def destroy(self) -> None:
         """Wait for every rank, then release the process groups this group made.
 
         The barrier keeps a rank from tearing its connections down while a
         peer still uses them.
         """
-        if self._owns is not None or self._wire_pg is not None:
+        if self._destroy_waits():
             self._barrier()
         self.destroy_local()
 
