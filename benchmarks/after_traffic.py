@@ -47,6 +47,7 @@ import shardwise_mpi
 import torch
 import torch.distributed as dist
 from _timing import library_line, mpi, publish, script_args
+from bench import _size, places
 from torch.distributed._shard import _shard_tensor
 from torch.distributed._shard.sharding_spec import ChunkShardingSpec as TorchChunkSpec
 
@@ -68,10 +69,6 @@ class Sizes:
 SMOKE = Sizes(side=128, side_traffic=64, repeats=2, warmup=1)
 
 
-def _places(size: int) -> list[str]:
-    return [f"rank:{r}/cpu" for r in range(size)]
-
-
 class Alternating:
     """A sharded tensor resharded dim 0 <-> 1 on every call (one for shardwise, one for torch._shard)."""
 
@@ -85,28 +82,24 @@ class Alternating:
 
 def before_calls(dense: torch.Tensor, size: int, sizes: Sizes) -> dict[str, Callable[[], Any]]:
     """The work run on every rank before a timed call, by name."""
-    torch_specs = [TorchChunkSpec(dim=d, placements=_places(size)) for d in (0, 1)]
+    torch_specs = [TorchChunkSpec(dim=d, placements=places(size)) for d in (0, 1)]
     torch_reshard = Alternating(_shard_tensor(dense, torch_specs[0], src_rank=0), torch_specs)
     traffic = torch.randn(sizes.side_traffic, sizes.side_traffic)
     target = torch.empty_like(traffic)
     big = torch.randn(sizes.side, sizes.side)
+    moved, read = _size(traffic.numel() * traffic.element_size()), _size(big.numel() * big.element_size())
     return {
         "nothing": lambda: None,
         "torch._shard reshard [gloo]": torch_reshard,
-        f"gloo all_to_all {_mib(traffic)}": lambda: dist.all_to_all_single(torch.empty_like(traffic), traffic),
-        f"memcpy {_mib(traffic)}": lambda: target.copy_(traffic),
-        f"read {_mib(big)}": lambda: big.sum(),
+        f"gloo all_to_all {moved}": lambda: dist.all_to_all_single(torch.empty_like(traffic), traffic),
+        f"memcpy {moved}": lambda: target.copy_(traffic),
+        f"read {read}": lambda: big.sum(),
     }
-
-
-def _mib(t: torch.Tensor) -> str:
-    nbytes = t.numel() * t.element_size()
-    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
 
 
 def shardwise_calls(group: Any, dense: torch.Tensor, size: int) -> dict[str, Callable[[], Any]]:
     """shardwise[mpi]'s three calls of bench.py's movement rows."""
-    specs = [shardwise.ChunkShardingSpec(dim=d, placements=_places(size)) for d in (0, 1)]
+    specs = [shardwise.ChunkShardingSpec(dim=d, placements=places(size)) for d in (0, 1)]
     reshard = Alternating(shardwise.shard_tensor(dense, specs[0], src_rank=0, process_group=group), specs)
     kept = shardwise.shard_tensor(dense, specs[0], src_rank=0, process_group=group)
     out = torch.empty_like(dense) if group.rank == 0 else None
@@ -183,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     ms = measure(comm, calls, before, sizes)
     bound = all(comm.allgather(len(os.sched_getaffinity(0)) == 1))
     if group.rank == 0:
-        text = report(ms, list(calls), list(before), size, sizes, bound, _mib(dense))
+        text = report(ms, list(calls), list(before), size, sizes, bound, _size(dense.numel() * dense.element_size()))
         publish(args.out, f"after-traffic-{size}ranks.md", text)
     dist.destroy_process_group()
     shardwise.destroy()

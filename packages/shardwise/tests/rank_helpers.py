@@ -9,6 +9,7 @@ import torch
 
 import shardwise
 from shardwise._comm import local_collectives, local_copy
+from shardwise._comm.agreement import Call
 from shardwise.errors import PeerError
 from shardwise.sharded_tensor import Shard, ShardMetadata, ShardedTensor, TensorProperties
 from shardwise.sharding_spec import ShardingSpec
@@ -109,3 +110,45 @@ def group_without_local_copy(g: Any) -> Any:
     finally:
         del os.environ[local_copy.LOCAL_COPY_ENV]
     return sub
+
+
+class ScriptedPeer(shardwise.Group):
+    """Rank 0 of two in one process; the peer's handshake row is scripted (data collectives are never reached).
+
+    It counts its handshake rounds, and (like the mpi backend) overrides
+    ``destroy`` only, recording that it ran; ``waits``: its destroy waits for
+    the peer (as gloo's does), so destroy's handshake applies.
+    """
+
+    def __init__(self, peer: Call, verify: bool = True, waits: bool = True) -> None:
+        super().__init__(backend="scripted", rank=0, size=2, device=torch.device("cpu"), verify=verify)
+        self.peer, self.waits, self.rounds, self.destroyed = peer, waits, 0, False
+
+    def _all_gather(self, out: torch.Tensor, inp: torch.Tensor, counts: Any) -> None:
+        self.rounds += 1
+        out[: inp.numel()].copy_(inp)
+        out[inp.numel() :].copy_(torch.tensor(self.peer.encode(2), dtype=torch.int64))
+
+    def _destroy_waits(self) -> bool:
+        return self.waits
+
+    def destroy(self) -> None:
+        self.destroyed = True
+
+    def _barrier(self) -> None:
+        raise AssertionError("not reached")
+
+    def _broadcast(self, buf: torch.Tensor, src: int) -> None:
+        raise AssertionError("not reached")
+
+    def _all_reduce(self, buf: torch.Tensor, op: str) -> None:
+        raise AssertionError("not reached")
+
+    def _reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, counts: Any, op: str) -> None:
+        raise AssertionError("not reached")
+
+    def _all_to_all(self, out: torch.Tensor, out_counts: Any, inp: torch.Tensor, in_counts: Any) -> None:
+        raise AssertionError("not reached")
+
+    def _new_group(self, ranks: Any) -> Any:
+        raise AssertionError("not reached")

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Any
 
 import pytest
 import torch
@@ -23,7 +22,7 @@ from shardwise import ChunkShardingSpec, shard_tensor
 from shardwise._comm.agreement import Call
 from shardwise.errors import CollectiveMismatchError
 
-from rank_helpers import TEST_BACKEND, outcome
+from rank_helpers import TEST_BACKEND, ScriptedPeer, outcome
 from rank_helpers import run as _run
 
 
@@ -82,54 +81,14 @@ def test_the_mpi_backends_destroy_still_waits_for_no_one() -> None:
     assert took < 1.0, took
 
 
-class _Scripted(shardwise.Group):
-    """Rank 0 of two whose peer's handshake row is scripted; like the mpi backend, it overrides destroy only.
-
-    ``waits``: its destroy waits for the peers (as gloo's), so the handshake applies.
-    """
-
-    def __init__(self, peer: Call, verify: bool = True, waits: bool = True) -> None:
-        super().__init__(backend="scripted", rank=0, size=2, device=torch.device("cpu"), verify=verify)
-        self.peer, self.waits, self.rounds, self.destroyed = peer, waits, 0, False
-
-    def _destroy_waits(self) -> bool:
-        return self.waits
-
-    def _all_gather(self, out: torch.Tensor, inp: torch.Tensor, counts: Any) -> None:
-        self.rounds += 1
-        out[: inp.numel()].copy_(inp)
-        out[inp.numel() :].copy_(torch.tensor(self.peer.encode(2), dtype=torch.int64))
-
-    def destroy(self) -> None:
-        self.destroyed = True
-
-    def _barrier(self) -> None:
-        raise AssertionError("not reached")
-
-    def _broadcast(self, buf: torch.Tensor, src: int) -> None:
-        raise AssertionError("not reached")
-
-    def _all_reduce(self, buf: torch.Tensor, op: str) -> None:
-        raise AssertionError("not reached")
-
-    def _reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, counts: Any, op: str) -> None:
-        raise AssertionError("not reached")
-
-    def _all_to_all(self, out: torch.Tensor, out_counts: Any, inp: torch.Tensor, in_counts: Any) -> None:
-        raise AssertionError("not reached")
-
-    def _new_group(self, ranks: Any) -> Any:
-        raise AssertionError("not reached")
-
-
 def test_destroy_meets_the_peers_destroy_then_tears_down() -> None:
-    group = _Scripted(Call("destroy"))
+    group = ScriptedPeer(Call("destroy"))
     group.destroy()
     assert (group.rounds, group.destroyed) == (1, True)
 
 
 def test_destroy_beside_a_peers_collective_raises_and_leaves_the_group_whole() -> None:
-    group = _Scripted(Call("all_reduce", dtype=torch.float32, shape=(2,), reduce_op="sum"))
+    group = ScriptedPeer(Call("all_reduce", dtype=torch.float32, shape=(2,), reduce_op="sum"))
     with pytest.raises(CollectiveMismatchError, match=r"\(rank 0: destroy, rank 1: all_reduce\)"):
         group.destroy()
     assert not group.destroyed
@@ -140,18 +99,18 @@ def test_destroy_beside_a_peers_collective_raises_and_leaves_the_group_whole() -
 def test_destroy_local_never_talks_to_peers_even_through_destroy() -> None:
     # The default destroy_local calls destroy (a backend without its own, as the mpi one): no handshake there,
     # or the exit handler of a rank that ends first would wait for its peers.
-    group = _Scripted(Call("all_reduce"))
+    group = ScriptedPeer(Call("all_reduce"))
     group.destroy_local()
     assert (group.rounds, group.destroyed) == (0, True)
 
 
 def test_without_verification_destroy_has_no_handshake() -> None:
-    group = _Scripted(Call("all_reduce"), verify=False)
+    group = ScriptedPeer(Call("all_reduce"), verify=False)
     group.destroy()
     assert (group.rounds, group.destroyed) == (0, True)
 
 
 def test_a_backend_whose_destroy_waits_for_no_one_has_no_handshake() -> None:
-    group = _Scripted(Call("all_reduce"), waits=False)
+    group = ScriptedPeer(Call("all_reduce"), waits=False)
     group.destroy()
     assert (group.rounds, group.destroyed) == (0, True)

@@ -26,7 +26,6 @@ from typing import Any, Iterator, Optional, Sequence
 import pytest
 import torch
 
-import shardwise
 from shardwise._comm.agreement import Call, Rows, check_same, failed_call
 from shardwise._layout import redistribute as redistribute_module
 from shardwise._layout.plan import plan, slab_plans
@@ -38,6 +37,8 @@ from shardwise._vocab.metadata import ShardedTensorMetadata, TensorProperties
 from shardwise._vocab.shard import Shard
 from shardwise.errors import CollectiveMismatchError, PeerError
 from shardwise.sharding_spec import ChunkShardingSpec
+
+from rank_helpers import ScriptedPeer
 
 TESTS = Path(__file__).resolve().parent
 
@@ -298,36 +299,6 @@ def test_plans_cost_nothing_when_debug_is_off(
 # -- what is logged: disagreements --------------------------------------------------
 
 
-class _Scripted(shardwise.Group):
-    """Rank 0 of two; the peer's handshake row is scripted (its data collectives are never reached)."""
-
-    def __init__(self, peer: Call) -> None:
-        super().__init__(backend="scripted", rank=0, size=2, device=torch.device("cpu"))
-        self.peer = peer
-
-    def _all_gather(self, out: torch.Tensor, inp: torch.Tensor, counts: Any) -> None:
-        out[: inp.numel()].copy_(inp)
-        out[inp.numel() :].copy_(torch.tensor(self.peer.encode(2), dtype=torch.int64))
-
-    def _barrier(self) -> None:
-        raise AssertionError("not reached")
-
-    def _broadcast(self, buf: torch.Tensor, src: int) -> None:
-        raise AssertionError("not reached")
-
-    def _all_reduce(self, buf: torch.Tensor, op: str) -> None:
-        raise AssertionError("not reached")
-
-    def _reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, counts: Any, op: str) -> None:
-        raise AssertionError("not reached")
-
-    def _all_to_all(self, out: torch.Tensor, out_counts: Any, inp: torch.Tensor, in_counts: Any) -> None:
-        raise AssertionError("not reached")
-
-    def _new_group(self, ranks: Any) -> Any:
-        raise AssertionError("not reached")
-
-
 def _agreement_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == "shardwise.agreement" and r.levelno == logging.DEBUG]
 
@@ -338,7 +309,7 @@ def _raise(error: Exception) -> Any:
 
 def test_a_peers_rejection_is_logged(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG, logger="shardwise.agreement")
-    group = _Scripted(failed_call(ValueError("spec does not fit\n  the tensor"), 2))
+    group = ScriptedPeer(failed_call(ValueError("spec does not fit\n  the tensor"), 2))
     with pytest.raises(PeerError):
         group.agree(lambda: 1, op="shard_tensor")
     assert _agreement_lines(caplog) == [
@@ -349,7 +320,7 @@ def test_a_peers_rejection_is_logged(caplog: pytest.LogCaptureFixture) -> None:
 
 def test_this_ranks_rejection_is_logged_too(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG, logger="shardwise.agreement")
-    group = _Scripted(Call("agree"))
+    group = ScriptedPeer(Call("agree"))
     with pytest.raises(KeyError):
         group.agree(lambda: _raise(KeyError("no such table")), op="reshard")
     assert _agreement_lines(caplog) == [
@@ -360,7 +331,7 @@ def test_this_ranks_rejection_is_logged_too(caplog: pytest.LogCaptureFixture) ->
 def test_mismatched_collectives_are_logged(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG, logger="shardwise.agreement")
     with pytest.raises(CollectiveMismatchError):
-        _Scripted(Call("barrier")).all_reduce(torch.ones(2))
+        ScriptedPeer(Call("barrier")).all_reduce(torch.ones(2))
     rows = Rows([Call("all_reduce", reduce_op=op).encode(2) for op in ("sum", "max")], 2)
     with pytest.raises(CollectiveMismatchError):
         check_same(rows, rows.reduce_op, what="reduce op")
@@ -373,7 +344,7 @@ def test_mismatched_collectives_are_logged(caplog: pytest.LogCaptureFixture) -> 
 
 def test_agreeing_logs_nothing(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG, logger="shardwise")
-    assert _Scripted(Call("agree")).agree(lambda: 7, op="reshard") == 7
+    assert ScriptedPeer(Call("agree")).agree(lambda: 7, op="reshard") == 7
     assert not caplog.records
 
 
