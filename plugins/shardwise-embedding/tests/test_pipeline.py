@@ -6,7 +6,9 @@ loader thread): the losses and the weights must be bit-for-bit the same.
 Misuse (forwarding another batch than the prefetched one, prefetching twice,
 a step that skips the collection) raises on every rank, a bad batch raises
 when its exchange starts (the real error on the rank at fault, PeerError on
-the others), and the group goes on working after each.
+the others), ranks that run out of batches at different steps raise
+ValueError on every rank instead of waiting, and the group goes on working
+after each.
 """
 
 from __future__ import annotations
@@ -198,6 +200,36 @@ def _bad_batch_ahead() -> None:
     _good_step(sharded, tables)
 
 
+def _uneven_batches() -> None:
+    """Ranks that run out of batches at different steps all raise ValueError at once, then go on working."""
+    group, tables, sharded = _setup()
+    uneven = group.size > 1
+    # Without verification too: the ranks that ran out join their peers' exchange itself, not a handshake.
+    cases = [(v, c) for v in (True, False) for c in ([3] * (group.size - 1) + [2], [0] + [2] * (group.size - 1))]
+    before = group.verify
+    for verify, counts in cases:
+        group.verify = verify
+        mine = counts[group.rank] if uneven else 2
+        batches = [batch(tables, 2, "uneven", group.rank, s) for s in range(mine)]
+        steps = 0
+
+        def loop(batches: list[Any] = batches) -> None:
+            nonlocal steps
+            for kjt in SparseDistPipeline(sharded, batches, features=lambda b: b):
+                steps += 1
+                sharded(kjt)
+
+        if not uneven:
+            loop()
+            assert steps == 2
+            continue
+        _expect(loop, ValueError, "ran out of batches at different steps")
+        # The ranks with more batches raise in the forward of the one their peers lacked; the others after their last.
+        assert steps == min(counts) + (mine > min(counts)), (counts, steps)
+        _good_step(sharded, tables)
+    group.verify = before
+
+
 def _cases() -> dict[str, Callable[[], None]]:
     return {
         "pipelined_losses_and_weights_bit_identical": _same_as_blocking,
@@ -206,6 +238,7 @@ def _cases() -> dict[str, Callable[[], None]]:
         "a_step_that_skips_the_collection": _step_skips_the_collection,
         "stopped_early_or_empty": _stop_early_and_empty,
         "a_bad_batch_raises_when_its_exchange_starts": _bad_batch_ahead,
+        "ranks_that_run_out_at_different_steps_raise": _uneven_batches,
     }
 
 

@@ -22,7 +22,15 @@ from torch import nn
 import shardwise.nn.functional as dist_f
 from shardwise import Group, ShardedTensor, sdk
 from shardwise_embedding._blocks import LocalBlock, register_block
-from shardwise_embedding._exchange import Dispatched, Routes, parse_inbox, route_ids
+from shardwise_embedding._exchange import (
+    Dispatched,
+    Routes,
+    no_batch_messages,
+    parse_inbox,
+    ranks_without_batch,
+    route_ids,
+    uneven_batches,
+)
 from shardwise_embedding._grad import SumOverRanks
 from shardwise_embedding._jagged import KeyedJaggedTensor
 from shardwise_embedding._keyed_tensor import KeyedTensor
@@ -229,6 +237,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 (on every rank that prefetched twice; PeerError on the others).
             KeyError, IndexError, ValueError, PeerError: as ``forward``.
         """
+        self._check_nothing_prefetched()
+        self._prefetched = self._dispatch(features, async_op=True)
+
+    def _check_nothing_prefetched(self) -> None:
         if self._prefetched is not None:
             self.group.reject(
                 ValueError(
@@ -237,7 +249,33 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 ),
                 op=OP,
             )
-        self._prefetched = self._dispatch(features, async_op=True)
+
+    def _prefetch_no_batch(self) -> None:
+        """In :meth:`prefetch`'s place on a rank with no batch left: collective, with the peers' prefetch.
+
+        :class:`SparseDistPipeline`'s end of the batches. This rank's input
+        message to every rank says it has none (:data:`NO_BATCH`), so that
+        peers that do have a batch raise in its ``forward`` rather than
+        wait for this rank, and :meth:`_end_of_batches` tells this rank
+        whether every rank had run out. One small exchange per loop.
+        """
+        self._check_nothing_prefetched()
+        group = self.group
+        work = group.all_to_all(no_batch_messages(group.size, self._device()), async_op=True)
+        self._prefetched = Dispatched(None, 0, {}, 0, work)
+
+    def _end_of_batches(self) -> None:
+        """Wait for :meth:`_prefetch_no_batch`'s exchange; raise unless every rank had run out of batches too.
+
+        Raises:
+            ValueError: a peer had a batch (that peer raises the same error
+                in its ``forward``).
+        """
+        dispatched, self._prefetched = self._prefetched, None
+        assert dispatched is not None and dispatched.features is None
+        without = ranks_without_batch(dispatched.received())
+        if len(without) < self.group.size:
+            raise uneven_batches(without, self.group.size)
 
     def _discard_prefetched(self) -> None:
         """Drop the prefetched batch, if any, once its exchange is done (a pipeline stopped early)."""
@@ -318,6 +356,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
             )
         )
         received = dispatched.received()
+        without = ranks_without_batch(received)
+        if without:
+            # Peers ran out of batches (SparseDistPipeline's end) where this rank had one: every rank raises.
+            raise uneven_batches(without, group.size)
         recv_bytes = sum(m.numel() * 8 for m in received)
         inboxes = parse_inbox(routes, group.rank, received)
         pooled_out = self._pool_owned(inboxes)

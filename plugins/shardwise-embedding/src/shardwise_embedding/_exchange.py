@@ -6,7 +6,9 @@ one int64 message: ``[batch, weighted]``, then for each table that rank holds
 a block of (in plan order) the lengths of every (feature, sample) bag counted
 over the ids it gets, then those ids (as local row numbers), then their
 weights (float64 bits, only when the sender has weights). One ``all_to_all``
-carries all of it, whatever the number of tables.
+carries all of it, whatever the number of tables. A rank that has run out of
+batches while its peers may not have (:class:`SparseDistPipeline`'s end)
+sends every rank the header alone, its batch size :data:`NO_BATCH`.
 
 The owner pools each block's bags for every source rank with one
 ``embedding_bag`` call per block, and sends each source rank its partial bags,
@@ -28,10 +30,25 @@ from shardwise_embedding._tables import EmbeddingBagConfig
 if TYPE_CHECKING:
     from shardwise_embedding._jagged import KeyedJaggedTensor
 
-__all__ = ["ColumnCut", "Dispatched", "Routes", "TableRoute", "Inbox", "parse_inbox", "route_ids", "HEADER"]
+__all__ = [
+    "HEADER",
+    "NO_BATCH",
+    "ColumnCut",
+    "Dispatched",
+    "Inbox",
+    "Routes",
+    "TableRoute",
+    "no_batch_messages",
+    "parse_inbox",
+    "ranks_without_batch",
+    "route_ids",
+    "uneven_batches",
+]
 
 #: The int64 header of every input message: the sender's batch size, whether it sends weights.
 HEADER = 2
+#: The batch size in a header that says the sender has no batch left (no batch has a negative size).
+NO_BATCH = -1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,11 +249,34 @@ def parse_inbox(routes: Routes, rank: int, messages: Sequence[torch.Tensor]) -> 
     return out
 
 
+def no_batch_messages(world: int, device: torch.device) -> list[torch.Tensor]:
+    """The input messages of a rank that has no batch left: the header alone, batch size :data:`NO_BATCH`."""
+    return [torch.tensor([NO_BATCH, 0], dtype=torch.int64, device=device) for _ in range(world)]
+
+
+def ranks_without_batch(messages: Sequence[torch.Tensor]) -> list[int]:
+    """The ranks whose input message (``messages[r]`` from rank r) says they had no batch left."""
+    return [r for r, msg in enumerate(messages) if int(msg[0]) == NO_BATCH]
+
+
+def uneven_batches(without: Sequence[int], world: int) -> ValueError:
+    """The error every rank raises when some ranks ran out of batches while others had one (the same text on each)."""
+    others = [r for r in range(world) if r not in without]
+    return ValueError(
+        f"SparseDistPipeline: the ranks ran out of batches at different steps: rank(s) {list(without)} had no "
+        f"next batch while rank(s) {others} had one. Each step's input exchange is collective, so every rank "
+        "must iterate over the same number of batches: give each rank as many (split the data evenly and drop "
+        "the uneven rest, as DataLoader(drop_last=True) over a DistributedSampler(drop_last=True) does, or pad "
+        "the last batch)"
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class Dispatched:
     """A batch checked, routed and with its ids' exchange started (or done), waiting to be pooled."""
 
-    features: KeyedJaggedTensor  # what the caller passed: forward recognises it by identity
+    # What the caller passed (forward recognises it by identity); None: this rank had no batch left.
+    features: Optional[KeyedJaggedTensor]
     batch: int
     per_table: dict[str, tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]
     sent_bytes: int

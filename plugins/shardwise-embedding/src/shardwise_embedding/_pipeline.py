@@ -52,10 +52,15 @@ class SparseDistPipeline(Generic[B]):
     thread). Memory: one batch beyond the current one is loaded and in
     flight at any time.
 
-    Every rank must iterate together (the exchange is collective); a bad
-    batch raises when its exchange starts, on every rank (the real error on
-    the rank at fault, :class:`~shardwise.PeerError` on the others), which
-    is inside the previous step's forward.
+    Every rank must iterate together, over as many batches (the exchange
+    is collective). Ranks that run out of batches at different steps raise
+    ``ValueError`` on every rank instead of waiting for each other: a rank
+    that has no next batch says so in the exchange the others start for
+    theirs, and raises at the end of its loop; the others raise in that
+    batch's forward. Reaching the end costs every rank one small exchange.
+    A bad batch raises when its exchange starts, on every rank (the real
+    error on the rank at fault, :class:`~shardwise.PeerError` on the
+    others), which is inside the previous step's forward.
 
     Args:
         collection: The sharded collection whose input exchange to run ahead.
@@ -71,6 +76,9 @@ class SparseDistPipeline(Generic[B]):
         TypeError: ``collection`` is not a sharded collection.
         RuntimeError: (while iterating) a step did not call the collection
             with its batch's features exactly once.
+        ValueError: (while iterating) the ranks ran out of batches at
+            different steps: at the end of the loop on the ranks that ran
+            out, in the next batch's forward on the others.
 
     Example::
 
@@ -100,6 +108,13 @@ class SparseDistPipeline(Generic[B]):
         self._features = features
         self._load_ahead = load_ahead
 
+    def _prefetch(self, upcoming: Any) -> None:
+        """Start the exchange of the batch after this one, or say every rank's part that this rank has none."""
+        if upcoming is _END:
+            self.collection._prefetch_no_batch()
+        else:
+            self.collection.prefetch(self._features(upcoming))
+
     def __iter__(self) -> Iterator[B]:
         source = iter(self._batches)
         loader = concurrent.futures.ThreadPoolExecutor(1, "shardwise-batch-loader") if self._load_ahead else None
@@ -124,13 +139,10 @@ class SparseDistPipeline(Generic[B]):
                 return  # reported after the step, where the caller's loop can see which batch it was
             upcoming = take_next()
             state["next"] = upcoming
-            if upcoming is not _END:
-                self.collection.prefetch(self._features(upcoming))
+            self._prefetch(upcoming)
 
         current = load_next()
-        if current is _END:
-            return
-        self.collection.prefetch(self._features(current))
+        self._prefetch(current)
         hook = self.collection.register_forward_hook(after_forward)
         try:
             while current is not _END:
@@ -143,6 +155,9 @@ class SparseDistPipeline(Generic[B]):
                         "call it exactly once, with its batch's features (the object `features(batch)` returns)"
                     )
                 current = state["next"]
+            # This rank has no next batch: unless every rank ran out with it, raise (as the peers that had
+            # one do in its forward).
+            self.collection._end_of_batches()
         finally:
             hook.remove()
             # Stopped early (a break, an error): the next batch's exchange ran on every rank; let it finish.
