@@ -246,6 +246,68 @@ def test_behaviour(tmp_path: Path) -> None:
     assert kind == "TimeoutError" and "all_reduce" in message and "rank 0 of 3" in message, message
 
 
+def threads_take_turns() -> dict[str, Any]:
+    """Two threads of every rank call collectives on one group at once; then each on a group of its own."""
+    g = shardwise.get_default_group()
+    w = g.size
+    steps = 30
+    seen: dict[str, Any] = {}
+
+    def race(groups: Sequence[Any]) -> tuple[list[Exception], list[list[float]]]:
+        errors: list[Exception] = []
+        sums: list[list[float]] = [[], []]
+        start = threading.Barrier(2)
+
+        def worker(k: int) -> None:
+            start.wait()
+            try:
+                for i in range(steps):
+                    t = torch.full((4,), 100.0**k)  # thread 0 sends 1, thread 1 sends 100
+                    out = groups[k].all_reduce(t, async_op=True).wait() if i % 2 else groups[k].all_reduce(t)
+                    sums[k].append(float(out[0]))
+            except Exception as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(k,)) for k in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not any(t.is_alive() for t in threads), "a thread is still in a collective"
+        return errors, sums
+
+    for verify in (True, False):
+        g.verify = verify
+        # One group: the calls take turns (no deadlock, no error, no torn data); which thread's call meets
+        # which peer's is the order they reached the group, so a sum mixes ones and hundreds.
+        errors, sums = race([g, g])
+        assert not errors, errors
+        allowed = {float(k + 100 * (w - k)) for k in range(w + 1)}
+        assert all(len(s) == steps and set(s) <= allowed for s in sums), sums
+        g.barrier()
+    g.verify = True
+    # A group per thread (made in the same order on every rank): every sum is its own thread's.
+    own = [g.new_group(list(range(w))), g.new_group(list(range(w)))]
+    errors, sums = race(own)
+    assert not errors, errors
+    assert sums == [[float(w)] * steps, [100.0 * w] * steps], sums
+    for sub in own:
+        sub.destroy()
+    # A destroyed group says so, whatever the backend and however it is called.
+    shardwise.destroy()
+    seen["blocking"] = outcome(lambda: g.all_reduce(torch.ones(1)))
+    seen["async"] = outcome(lambda: g.all_reduce(torch.ones(1), async_op=True))
+    g.verify = False
+    seen["unverified"] = outcome(lambda: g.barrier())
+    return seen
+
+
+def test_threads_take_turns_on_a_group_and_a_destroyed_group_says_so() -> None:
+    world = 2
+    results = _run(threads_take_turns, world)
+    check_errors(results, on_every_rank={k: ("LaunchError", "group was destroyed") for k in results[0]}, at_fault={})
+
+
 # -- in process: a one-rank group whose primitives the test controls ---------------------------
 
 
@@ -307,6 +369,8 @@ def test_work_runs_in_order_on_a_named_worker_and_reraises() -> None:
     assert not a.is_completed() and a.exception() is None and "pending" in repr(a)
     with pytest.raises(TimeoutError, match=r"rank 0 of 1 \(local\): asynchronous all_reduce did not finish within"):
         a.wait(timeout=0.01)
+    with pytest.raises(ValueError, match="0 or more"):
+        a.wait(timeout=-1)
     assert g._worker is not None and any(t.name == "shardwise-local-rank0-collectives" for t in threading.enumerate())
     g.gate.set()
     assert b.result() is not None and a.wait() is not None and g.order == ["all_reduce", "broadcast"]
@@ -326,6 +390,34 @@ def test_work_runs_in_order_on_a_named_worker_and_reraises() -> None:
             d.wait()
     assert isinstance(d.exception(), RuntimeError) and "failed" in repr(d)
     g.destroy()
+    # Then every collective says the group is gone, before it checks or moves anything.
+    for call in (g.barrier, lambda: g.all_reduce(torch.ones(1), async_op=True), lambda: g.agree(lambda: 1, op="x")):
+        with pytest.raises(shardwise.errors.LaunchError, match="this local group was destroyed"):
+            call()
+
+
+def test_a_thread_waits_for_another_threads_collective_on_the_group() -> None:
+    g = _Local(verify=False)
+    g.gate = threading.Event()
+    entered: list[str] = []
+    move = g._move
+
+    def recorded(what: str) -> None:
+        entered.append(what)
+        move(what)
+
+    g._move = recorded  # type: ignore[method-assign]
+    first = threading.Thread(target=g.barrier)  # blocking, held at the gate inside its primitive
+    first.start()
+    assert g.started.wait(30)
+    second = threading.Thread(target=lambda: g.all_reduce(torch.ones(1)))
+    second.start()
+    second.join(0.2)
+    assert second.is_alive() and entered == ["barrier"]  # waits for the call lock, not inside its primitive
+    g.gate.set()
+    first.join(30)
+    second.join(30)
+    assert entered == g.order == ["barrier", "all_reduce"]
 
 
 def test_bad_input_raises_at_the_call() -> None:

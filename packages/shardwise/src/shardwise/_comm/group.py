@@ -28,6 +28,14 @@ Every public collective takes ``async_op=True`` and then returns a
 :class:`~shardwise._comm.work.Work`: the checks and the handshake still run
 in the caller's thread (bad input raises at the call, on every rank), and
 only the data movement runs on the group's worker thread.
+
+One thread at a time talks on a group: each public collective (and
+:meth:`Group.unverified` block) holds the group's call lock from its checks
+to the end of its data movement (a blocking call) or to its queueing (an
+asynchronous one). Two threads of a rank that call collectives on one group
+take turns instead of interleaving their handshakes and data on the wire;
+the order in which they take turns is theirs, and every rank must still
+issue the same collectives in the same order.
 """
 
 from __future__ import annotations
@@ -36,9 +44,22 @@ import abc
 import contextlib
 import ctypes
 import functools
+import threading
 import weakref
 from array import array
-from typing import Any, Callable, Iterator, Literal, NoReturn, Optional, Sequence, TypeVar, Union, overload
+from typing import (
+    Any,
+    Callable,
+    Iterator,
+    Literal,
+    NoReturn,
+    Optional,
+    ParamSpec,
+    Sequence,
+    TypeVar,
+    Union,
+    overload,
+)
 
 import torch
 
@@ -78,11 +99,26 @@ from shardwise._comm.work import Work, Worker
 from shardwise._vocab import wire as _wire
 from shardwise._vocab.launch import Host, group_by_host
 from shardwise._vocab.switches import switched_on
+from shardwise.errors import LaunchError
 
 __all__ = ["VERIFY_ENV", "Group"]
 
 VERIFY_ENV = "SHARDWISE_VERIFY_COLLECTIVES"
 T = TypeVar("T")
+P = ParamSpec("P")
+
+
+def _one_call_at_a_time(method: Callable[P, T]) -> Callable[P, T]:
+    """A public collective that holds its group's call lock (see :meth:`Group._calling`)."""
+
+    @functools.wraps(method)
+    def run(*args: P.args, **kwargs: P.kwargs) -> T:
+        group = args[0]
+        assert isinstance(group, Group)
+        with group._calling():
+            return method(*args, **kwargs)
+
+    return run
 
 
 def _stopping_async(method: Callable[[Group], None], *, drain: bool) -> Callable[[Group], None]:
@@ -94,18 +130,26 @@ def _stopping_async(method: Callable[[Group], None], *, drain: bool) -> Callable
 
     @functools.wraps(method)
     def run(self: Group) -> None:
+        if drain and not self._ending_locally:
+            # destroy is a collective: after another thread's call on the group, not in the middle of it.
+            with self._calling(check=False):
+                self._stop_async(drain=True)
+                self._agree_to_end()
+                method(self)
+            self._destroyed = True
+            return
         self._stop_async(drain=drain)
         if drain:
-            if not self._ending_locally:
-                self._agree_to_end()
-            method(self)
+            method(self)  # the destroy a destroy_local runs: it talks to no one
             return
         # A backend's destroy_local may call its destroy (the default does): that one must not talk to peers.
+        # Nor does it wait for the call lock: a thread blocked in a collective must not keep the exit handler.
         self._ending_locally = True
         try:
             method(self)
         finally:
             self._ending_locally = False
+            self._destroyed = True
 
     run._stops_async = True  # type: ignore[attr-defined]
     return run
@@ -144,6 +188,8 @@ class Group(abc.ABC):
     _worker: Optional[Worker] = None
     #: True while destroy_local runs: a destroy it calls skips the closing handshake.
     _ending_locally: bool = False
+    #: Set once destroy or destroy_local has released the backend's resources.
+    _destroyed: bool = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -178,6 +224,7 @@ class Group(abc.ABC):
             verify = switched_on(VERIFY_ENV)
         self.verify = verify
         self._hosts: Optional[tuple[Host, ...]] = None
+        self._call_lock = threading.RLock()
 
     # -- identity ------------------------------------------------------------
     @property
@@ -459,12 +506,37 @@ class Group(abc.ABC):
             with group.unverified():
                 out = group.all_to_all_single(data, recv_counts, send_counts)
         """
-        saved = self.verify
-        self.verify = False
-        try:
+        # Held for the whole block: another thread's collective must not run meanwhile with verify off.
+        with self._calling():
+            saved = self.verify
+            self.verify = False
+            try:
+                yield
+            finally:
+                self.verify = saved
+
+    @contextlib.contextmanager
+    def _calling(self, *, check: bool = True) -> Iterator[None]:
+        """Hold the group's call lock (re-entrant): one thread at a time issues collectives on the group.
+
+        The group's worker thread never takes it: the thread that holds it
+        may be waiting for the worker's queue to drain.
+
+        Raises:
+            LaunchError: (``check``) the group was destroyed.
+        """
+        worker = self._worker
+        if worker is not None and worker.on_worker():
             yield
-        finally:
-            self.verify = saved
+            return
+        with self._call_lock:
+            if check and self._destroyed:
+                raise LaunchError(
+                    f"rank {self.rank} of {self.size}: this {self.backend} group was destroyed (by "
+                    "shardwise.destroy(), destroy() on it, or at interpreter exit) and cannot run collectives; "
+                    "call shardwise.init() again for a new default group"
+                )
+            yield
 
     # -- agreement -----------------------------------------------------------
     def _communicator(self) -> object:
@@ -575,6 +647,7 @@ class Group(abc.ABC):
     @overload
     def agree(self, check: Callable[[], Any], *, op: str, gather: Literal[True]) -> list[Any]: ...
 
+    @_one_call_at_a_time
     def agree(self, check: Callable[[], Any], *, op: str, gather: bool = False) -> Any:
         """Run ``check()`` on this rank, then fail together or go on together.
 
@@ -701,13 +774,15 @@ class Group(abc.ABC):
     @overload
     def barrier(self, *, async_op: Literal[True]) -> Work[None]: ...
 
+    @_one_call_at_a_time
     def barrier(self, *, async_op: bool = False) -> Optional[Work[None]]:
         """Block until every rank of the group has reached it.
 
         Args:
             async_op: Return a :class:`Work` at once instead of blocking
-                (when verifying, the handshake is the barrier, so the work
-                is complete on return).
+                (when verifying, the handshake is the barrier: every rank
+                has reached it when the call returns, and the Work completes
+                as soon as the worker thread runs its empty step).
         """
         if self.verify:
             self._handshake(lambda: Call(op="barrier"), async_op=async_op)
@@ -720,6 +795,7 @@ class Group(abc.ABC):
     @overload
     def broadcast(self, tensor: torch.Tensor, src: int = 0, *, async_op: Literal[True]) -> Work[torch.Tensor]: ...
 
+    @_one_call_at_a_time
     def broadcast(
         self, tensor: torch.Tensor, src: int = 0, *, async_op: bool = False
     ) -> Union[torch.Tensor, Work[torch.Tensor]]:
@@ -763,6 +839,7 @@ class Group(abc.ABC):
     @overload
     def all_reduce(self, tensor: torch.Tensor, op: Any = "sum", *, async_op: Literal[True]) -> Work[torch.Tensor]: ...
 
+    @_one_call_at_a_time
     def all_reduce(
         self, tensor: torch.Tensor, op: Any = "sum", *, async_op: bool = False
     ) -> Union[torch.Tensor, Work[torch.Tensor]]:
@@ -829,6 +906,7 @@ class Group(abc.ABC):
         self, tensor: torch.Tensor, *, out: Optional[torch.Tensor] = None, async_op: Literal[True]
     ) -> Work[list[torch.Tensor]]: ...
 
+    @_one_call_at_a_time
     def all_gather(
         self, tensor: torch.Tensor, *, out: Optional[torch.Tensor] = None, async_op: bool = False
     ) -> Union[list[torch.Tensor], Work[list[torch.Tensor]]]:
@@ -875,6 +953,7 @@ class Group(abc.ABC):
 
         return self._issue("all_gather", move, async_op)
 
+    @_one_call_at_a_time
     def _all_gather_into(
         self, tensor: torch.Tensor, out: torch.Tensor, async_op: bool
     ) -> Callable[[], list[torch.Tensor]]:
@@ -920,6 +999,7 @@ class Group(abc.ABC):
         async_op: Literal[True],
     ) -> Work[torch.Tensor]: ...
 
+    @_one_call_at_a_time
     def reduce_scatter(
         self,
         inputs: Sequence[torch.Tensor],
@@ -999,6 +1079,7 @@ class Group(abc.ABC):
     @overload
     def all_to_all(self, inputs: Sequence[torch.Tensor], *, async_op: Literal[True]) -> Work[list[torch.Tensor]]: ...
 
+    @_one_call_at_a_time
     def all_to_all(
         self, inputs: Sequence[torch.Tensor], *, async_op: bool = False
     ) -> Union[list[torch.Tensor], Work[list[torch.Tensor]]]:
@@ -1059,6 +1140,7 @@ class Group(abc.ABC):
         async_op: Literal[True],
     ) -> Work[torch.Tensor]: ...
 
+    @_one_call_at_a_time
     def all_to_all_single(
         self,
         tensor: torch.Tensor,
@@ -1129,6 +1211,7 @@ class Group(abc.ABC):
         self, tensors: Optional[Sequence[torch.Tensor]], src: int = 0, *, async_op: Literal[True]
     ) -> Work[torch.Tensor]: ...
 
+    @_one_call_at_a_time
     def scatter(
         self, tensors: Optional[Sequence[torch.Tensor]], src: int = 0, *, async_op: bool = False
     ) -> Union[torch.Tensor, Work[torch.Tensor]]:
@@ -1189,6 +1272,7 @@ class Group(abc.ABC):
         self, tensor: torch.Tensor, dst: int = 0, *, async_op: Literal[True]
     ) -> Work[Optional[list[torch.Tensor]]]: ...
 
+    @_one_call_at_a_time
     def gather(
         self, tensor: torch.Tensor, dst: int = 0, *, async_op: bool = False
     ) -> Union[Optional[list[torch.Tensor]], Work[Optional[list[torch.Tensor]]]]:
@@ -1228,6 +1312,7 @@ class Group(abc.ABC):
 
         return self._issue("gather", move, async_op)
 
+    @_one_call_at_a_time
     def new_group(self, ranks: Sequence[int]) -> Optional[Group]:
         """A sub-group of ``ranks`` (ranks of this group), made collectively.
 

@@ -452,6 +452,7 @@ _wrapped: MutableMapping[int, TorchGroup] = weakref.WeakValueDictionary()
 def wrap_process_group(pg: dist.ProcessGroup) -> TorchGroup:
     """The :class:`TorchGroup` over a torch process group: the one already made over it, else a new one."""
     group = _wrapped.get(id(pg))
-    if group is None or group._pg is not pg:  # none yet, or one whose process group is gone (its id reused)
+    # None yet, one whose process group is gone (its id reused), or one destroyed over a process group that lives on.
+    if group is None or group._pg is not pg or group._destroyed:
         group = TorchGroup(pg)  # registers itself
     return group

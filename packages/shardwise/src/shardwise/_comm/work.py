@@ -11,8 +11,9 @@ compute issued after the collective overlaps with it.
 
 Calls reach the wire strictly in issue order on every rank: before any
 handshake or blocking collective the caller waits for the queue to drain
-(:meth:`Worker.drain`). So at most one thread of a process talks on a group
-at a time, and the backends need no locking of their own.
+(:meth:`Worker.drain`), holding the group's call lock (``Group._calling``),
+which callers on other threads wait for. So at most one thread of a process
+talks on a group at a time, and the backends need no locking of their own.
 
 Tensors handed to an asynchronous collective must not be read or modified
 until :meth:`Work.wait` returns (as with torch's ``async_op=True``).
@@ -93,8 +94,11 @@ class Work(Generic[T]):
         Raises:
             TimeoutError: it did not finish within ``timeout`` (it keeps
                 running; wait again).
+            ValueError: ``timeout`` is negative.
             Exception: what the collective raised (on every call of ``wait``).
         """
+        if timeout is not None and timeout < 0:
+            raise ValueError(f"wait(timeout={timeout!r}): the timeout is in seconds, 0 or more (None: no limit)")
         if not self._done.wait(timeout):
             raise TimeoutError(
                 f"{self._where}: asynchronous {self._name} did not finish within {timeout:g} s. It keeps "
