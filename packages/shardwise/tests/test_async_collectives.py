@@ -308,6 +308,42 @@ def test_threads_take_turns_on_a_group_and_a_destroyed_group_says_so() -> None:
     check_errors(results, on_every_rank={k: ("LaunchError", "group was destroyed") for k in results[0]}, at_fault={})
 
 
+def fails_alone() -> dict[str, Any]:
+    """Rank 0 cannot allocate an all_gather's result after the ranks agreed to it; then what every rank sees."""
+    from shardwise._comm import buffers
+
+    g = shardwise.get_default_group()
+    seen: dict[str, Any] = {}
+    if g.rank == 0:
+        real = buffers.empty_like
+
+        def no_room(*args: Any, **kwargs: Any) -> Any:
+            buffers.empty_like = real
+            raise MemoryError("no room for the result")
+
+        buffers.empty_like = no_room
+    started = time.monotonic()
+    seen["all_gather"] = outcome(lambda: g.all_gather(torch.full((g.rank + 1, 2), 1.0)))  # uneven: agreed sizes
+    seen["next"] = outcome(lambda: g.all_reduce(torch.ones(1)))
+    seen["destroy"] = outcome(shardwise.destroy)
+    seen["seconds"] = time.monotonic() - started
+    return seen
+
+
+@pytest.mark.skipif(
+    TEST_BACKEND == "mpi", reason="over MPI the peers wait in the call until the group's timeout, then abort the job"
+)
+def test_a_rank_whose_move_fails_alone_raises_at_once_and_its_peers_hear_it() -> None:
+    results = _run(fails_alone, 2)
+    first, peer = results
+    assert first["all_gather"][0] == "MemoryError", first
+    assert first["next"][0] == "PeerLostError" and "out of step" in first["next"][1], first
+    assert first["destroy"][0] == "ok", first
+    # The peer, still in the all_gather, hears the connection close when rank 0 lets go: no false PeerError.
+    assert peer["all_gather"][0] == "PeerLostError" and peer["next"][0] == "PeerLostError", peer
+    assert max(first["seconds"], peer["seconds"]) < 30, results
+
+
 # -- in process: a one-rank group whose primitives the test controls ---------------------------
 
 
@@ -420,6 +456,44 @@ def test_a_thread_waits_for_another_threads_collective_on_the_group() -> None:
     assert entered == g.order == ["barrier", "all_reduce"]
 
 
+def test_a_move_that_fails_on_this_rank_alone_puts_the_group_out_of_step() -> None:
+    g = _Local()
+    g.fail = MemoryError("no room for the result")
+    with pytest.raises(MemoryError):
+        g.all_reduce(torch.ones(1))
+    g.fail = None
+    # Every later call raises at once, naming the call that failed, and never reaches the primitives.
+    moved = len(g.order)
+    for call in (lambda: g.all_reduce(torch.ones(1)), lambda: g.barrier(async_op=True), lambda: g.agree(lambda: 1, op="x")):
+        with pytest.raises(shardwise.errors.PeerLostError, match=r"out of step .* its all_reduce failed on this rank"):
+            call()
+    assert len(g.order) == moved
+    g.destroy()  # releases this rank's side without a closing handshake
+    assert g.destroyed
+
+    # Queued behind the failing one, an asynchronous call fails without moving anything.
+    g = _Local(verify=False)
+    g.gate = threading.Event()
+    g.fail = KeyboardInterrupt()
+    first = g.all_reduce(torch.ones(1), async_op=True)
+    second = g.broadcast(torch.ones(1), async_op=True)
+    g.gate.set()
+    with pytest.raises(KeyboardInterrupt):
+        first.wait(30)
+    with pytest.raises(shardwise.errors.PeerLostError, match="its all_reduce failed on this rank"):
+        second.wait(30)
+    assert g.order == ["all_reduce"]
+    g.destroy_local()
+
+    # An error every rank raised together (shardwise's own) keeps the ranks in step.
+    g = _Local()
+    g.fail = shardwise.errors.PeerError("a peer said no")
+    with pytest.raises(shardwise.errors.PeerError):
+        g.all_reduce(torch.ones(1))
+    g.fail = None
+    g.all_reduce(torch.ones(1))
+
+
 def test_bad_input_raises_at_the_call() -> None:
     g = _Local()
     with pytest.raises(TypeError, match="avg"):
@@ -442,7 +516,7 @@ def test_destroy_local_drops_queued_work_and_destroy_finishes_it() -> None:
         queued.wait(timeout=30)
     g.gate.set()
     _same(running.wait(timeout=30), torch.ones(1))
-    with pytest.raises(RuntimeError, match="the group was destroyed"):
+    with pytest.raises(shardwise.errors.LaunchError, match="this local group was destroyed"):
         g.all_reduce(torch.ones(1), async_op=True)
 
     h = _Local(verify=False)

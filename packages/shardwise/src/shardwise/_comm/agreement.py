@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 
 from shardwise._vocab import wire as _wire
-from shardwise.errors import CollectiveMismatchError, PeerError, PeerLostError
+from shardwise.errors import CollectiveMismatchError, PeerError, PeerLostError, ShardwiseError
 
 __all__ = [
     "AGREED_ERRORS",
@@ -50,13 +50,29 @@ __all__ = [
     "current_label",
     "failed_call",
     "inline_capacity",
+    "known_to_peers",
     "labelled",
     "log_rejections",
+    "mark_known_to_peers",
     "peer_error",
     "raise_verdict",
 ]
 
 _log = logging.getLogger("shardwise.agreement")
+
+#: Set on an exception that a collective's data movement raised on one rank after telling its peers.
+_TOLD_PEERS = "_shardwise_told_peers"
+
+
+def mark_known_to_peers(error: BaseException) -> None:
+    """Record that every peer of the failing call has heard of ``error`` (they raise too): the ranks stay in step."""
+    with contextlib.suppress(AttributeError, TypeError):
+        setattr(error, _TOLD_PEERS, True)
+
+
+def known_to_peers(error: BaseException) -> bool:
+    """Whether every rank raised with ``error`` in the same call: shardwise's own errors, or one marked so."""
+    return isinstance(error, ShardwiseError) or getattr(error, _TOLD_PEERS, False) is True
 
 _OPS = (
     "barrier", "broadcast", "all_reduce", "all_gather", "reduce_scatter",

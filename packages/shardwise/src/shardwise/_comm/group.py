@@ -76,6 +76,7 @@ from shardwise._comm.agreement import (
     current_label,
     failed_call,
     inline_capacity,
+    known_to_peers,
     labelled,
     log_rejections,
     raise_verdict,
@@ -99,7 +100,7 @@ from shardwise._comm.work import Work, Worker
 from shardwise._vocab import wire as _wire
 from shardwise._vocab.launch import Host, group_by_host
 from shardwise._vocab.switches import switched_on
-from shardwise.errors import LaunchError
+from shardwise.errors import LaunchError, PeerLostError
 
 __all__ = ["VERIFY_ENV", "Group"]
 
@@ -130,6 +131,11 @@ def _stopping_async(method: Callable[[Group], None], *, drain: bool) -> Callable
 
     @functools.wraps(method)
     def run(self: Group) -> None:
+        if drain and not self._ending_locally and self._out_of_step is not None:
+            # Its peers are still inside the collective that failed here: a closing handshake or barrier
+            # would be read as that collective's data. Release this rank's side without talking.
+            self.destroy_local()
+            return
         if drain and not self._ending_locally:
             # destroy is a collective: after another thread's call on the group, not in the middle of it.
             with self._calling(check=False):
@@ -141,6 +147,7 @@ def _stopping_async(method: Callable[[Group], None], *, drain: bool) -> Callable
         self._stop_async(drain=drain)
         if drain:
             method(self)  # the destroy a destroy_local runs: it talks to no one
+            self._destroyed = True
             return
         # A backend's destroy_local may call its destroy (the default does): that one must not talk to peers.
         # Nor does it wait for the call lock: a thread blocked in a collective must not keep the exit handler.
@@ -190,6 +197,8 @@ class Group(abc.ABC):
     _ending_locally: bool = False
     #: Set once destroy or destroy_local has released the backend's resources.
     _destroyed: bool = False
+    #: The error that broke step with the peers: a collective's data movement failed on this rank alone.
+    _out_of_step: Optional[str] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -409,7 +418,10 @@ class Group(abc.ABC):
         other ranks (a barrier) so none tears down connections a peer still uses.
         Asynchronous collectives still pending finish first. When verifying,
         and where destroy waits for the other ranks, every rank's destroy first
-        meets in a handshake (:meth:`_agree_to_end`).
+        meets in a handshake (:meth:`_agree_to_end`). A group out of step
+        with its peers (a collective's data movement failed on this rank
+        alone, see :meth:`_in_step`) is released as :meth:`destroy_local`
+        releases it, without talking to them.
 
         Raises:
             CollectiveMismatchError: when verifying, a peer called another
@@ -524,6 +536,8 @@ class Group(abc.ABC):
 
         Raises:
             LaunchError: (``check``) the group was destroyed.
+            PeerLostError: (``check``) a collective's data movement failed
+                on this rank alone (see :meth:`_in_step`).
         """
         worker = self._worker
         if worker is not None and worker.on_worker():
@@ -536,6 +550,8 @@ class Group(abc.ABC):
                     "shardwise.destroy(), destroy() on it, or at interpreter exit) and cannot run collectives; "
                     "call shardwise.init() again for a new default group"
                 )
+            if check:
+                self._raise_if_out_of_step()
             yield
 
     # -- agreement -----------------------------------------------------------
@@ -619,7 +635,7 @@ class Group(abc.ABC):
         """Run a checked and agreed collective's data movement now, or queue it and return its :class:`Work`."""
         if not async_op:
             self._settle()
-            return move()
+            return self._in_step(name, move)()
         self._check_async()
         worker = self._worker
         if worker is None:
@@ -627,7 +643,43 @@ class Group(abc.ABC):
             # A group dropped without destroy() takes its (idle) thread with it.
             weakref.finalize(self, worker.close, "the group was garbage-collected", drain=False)
         where = f"rank {self.rank} of {self.size} ({self.backend})"
-        return worker.submit(Work(name, where, self._device), move, self._device)
+        return worker.submit(Work(name, where, self._device), self._in_step(name, move), self._device)
+
+    def _in_step(self, name: str, move: Callable[[], T]) -> Callable[[], T]:
+        """``move``, which marks the group out of step when it raises an error its peers did not hear of.
+
+        Every rank agreed to the call before its data moves, so a rank
+        whose data movement fails on its own (out of memory for the
+        result, an interrupt) leaves its peers inside the collective: any
+        later call of this rank's would be read as that one's data (a false
+        "rank 1 rejected its arguments", a gloo abort). From then on every
+        call on the group raises :class:`PeerLostError` at once, and
+        ``destroy`` releases this rank's side without talking to the peers.
+        Errors every rank raises together (shardwise's own, or marked
+        :func:`~shardwise._comm.agreement.mark_known_to_peers`) keep the
+        ranks in step.
+        """
+
+        def run() -> T:
+            self._raise_if_out_of_step()  # a queued call after the one that failed must not reach the wire
+            try:
+                return move()
+            except BaseException as exc:
+                if not known_to_peers(exc) and self._out_of_step is None:
+                    self._out_of_step = f"its {self._describe(name)} failed on this rank ({type(exc).__name__}: {exc})"
+                raise
+
+        return run
+
+    def _raise_if_out_of_step(self) -> None:
+        if self._out_of_step is not None:
+            raise PeerLostError(
+                f"rank {self.rank} of {self.size}: this {self.backend} group is out of step with its peers: "
+                f"{self._out_of_step} after every rank had agreed to it, so the peers are still inside that "
+                "call (they fail at the group's timeout, or sooner when this rank destroys the group or ends). "
+                "The group cannot be used any more: end the job, or destroy the group, and restart from a "
+                "checkpoint"
+            )
 
     def _settle(self) -> None:
         """Wait until this group's queued asynchronous collectives have finished (at once when none are)."""

@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Sequence,
 import torch
 
 from shardwise._comm import copy_rates
+from shardwise._comm.agreement import mark_known_to_peers
 from shardwise._comm.hosts import this_host
 from shardwise._vocab.switches import switched_on
 from shardwise.errors import PeerError, PeerLostError
@@ -480,11 +481,12 @@ def transfer(
                 err = err or (_write_runs if copy.write else _read_runs)(copy.pid, copy.runs)
                 if copy.observe is not None and not err:
                     copy_rates.observe(*copy.observe, time.perf_counter() - started)
-        except Exception:
+        except Exception as exc:
             # Into the closing round with a code, so the peers raise too; then this rank's own error
             # (also when that round fails: a peer lost too).
             with contextlib.suppress(PeerLostError):
                 all_gather_ints(group, [RAISED])
+            mark_known_to_peers(exc)  # the ranks are still in step
             raise
         _finish(group, name, err)
         return True
