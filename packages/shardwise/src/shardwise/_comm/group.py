@@ -35,7 +35,9 @@ to the end of its data movement (a blocking call) or to its queueing (an
 asynchronous one). Two threads of a rank that call collectives on one group
 take turns instead of interleaving their handshakes and data on the wire;
 the order in which they take turns is theirs, and every rank must still
-issue the same collectives in the same order.
+issue the same collectives in the same order. A call built of several
+(``shard_tensor``, a reshard) is several turns: threads that share a group
+should not run such calls at once (a group per thread).
 """
 
 from __future__ import annotations
@@ -1005,7 +1007,6 @@ class Group(abc.ABC):
 
         return self._issue("all_gather", move, async_op)
 
-    @_one_call_at_a_time
     def _all_gather_into(
         self, tensor: torch.Tensor, out: torch.Tensor, async_op: bool
     ) -> Callable[[], list[torch.Tensor]]:
