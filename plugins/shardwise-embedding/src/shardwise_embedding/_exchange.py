@@ -207,15 +207,22 @@ def parse_inbox(routes: Routes, rank: int, messages: Sequence[torch.Tensor]) -> 
 
     Returns:
         One inbox per table in ``routes.tables_of_rank[rank]``, in that order.
+
+    Raises:
+        ValueError: some ranks sent :data:`NO_BATCH` (they ran out of
+            batches where this rank had one; they raise the same error).
     """
+    headers = [(int(msg[0]), bool(msg[1])) for msg in messages]
+    without = [r for r, (batch, _) in enumerate(headers) if batch == NO_BATCH]
+    if without:
+        raise uneven_batches(without, len(messages))
     mine = routes.tables_of_rank[rank]
     n_feat = [len(routes.sharded[k].config.feature_names) for k in mine]
     lengths: list[list[torch.Tensor]] = [[] for _ in mine]
     ids: list[list[torch.Tensor]] = [[] for _ in mine]
     weights: list[list[Optional[torch.Tensor]]] = [[] for _ in mine]
     rows_from: list[list[int]] = [[] for _ in mine]
-    for msg in messages:
-        batch, weighted = int(msg[0]), bool(msg[1])
+    for msg, (batch, weighted) in zip(messages, headers, strict=True):
         pos = HEADER
         counts = []
         for j, f in enumerate(n_feat):
