@@ -12,8 +12,9 @@ block's gradient the matching rows of the dense gradient of all ranks' losses
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from typing import Any, Optional, Sequence
+from typing import Any, NoReturn, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +26,7 @@ from shardwise_embedding._blocks import LocalBlock, register_block
 from shardwise_embedding._exchange import (
     Dispatched,
     Routes,
+    modified_after_prefetch,
     no_batch_messages,
     parse_inbox,
     ranks_without_batch,
@@ -225,12 +227,15 @@ class ShardedEmbeddingBagCollection(nn.Module):
         same object then takes the exchanged ids instead of exchanging
         them again. The result is bit-for-bit that of an unprefetched
         ``forward``. One batch at a time may wait prefetched: forward it
-        before prefetching the next. :class:`SparseDistPipeline` calls this
-        for you.
+        before prefetching the next (forwarding other batches meanwhile is
+        fine: they exchange their own ids, as without a prefetch).
+        :class:`SparseDistPipeline` calls this for you.
 
         Args:
-            features: The batch, as ``forward`` would take it; do not
-                modify it until it has been forwarded.
+            features: The batch, as ``forward`` would take it. Its ids,
+                lengths and weights must not change until it has been
+                forwarded: ``forward`` raises ValueError if they did (the
+                ids already travelled).
 
         Raises:
             ValueError: a prefetched batch is still waiting for ``forward``
@@ -238,14 +243,17 @@ class ShardedEmbeddingBagCollection(nn.Module):
             KeyError, IndexError, ValueError, PeerError: as ``forward``.
         """
         self._check_nothing_prefetched()
-        self._prefetched = self._dispatch(features, async_op=True)
+        versions = features._contents_version() if isinstance(features, KeyedJaggedTensor) else ()
+        self._prefetched = dataclasses.replace(self._dispatch(features, async_op=True), versions=versions)
 
     def _check_nothing_prefetched(self) -> None:
         if self._prefetched is not None:
             self.group.reject(
                 ValueError(
                     "prefetch: the batch prefetched before has not been forwarded yet; forward it (the same "
-                    "KeyedJaggedTensor object) before prefetching another: one batch waits ahead at a time"
+                    "KeyedJaggedTensor object) before prefetching another: one batch waits ahead at a time. "
+                    "SparseDistPipeline prefetches too: a loop over another pipeline of this collection that was "
+                    "left without ending (its iterator still referenced) holds one; close() that iterator first"
                 ),
                 op=OP,
             )
@@ -304,38 +312,51 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 the others raise PeerError).
             IndexError: an id outside its table's rows.
             ValueError: lengths that do not add up to the ids, or weights
-                with mean pooling; or a batch was prefetched and
-                ``features`` is not it.
+                with mean pooling; or ``features`` was prefetched and its
+                ids, lengths or weights changed in place since.
             PeerError: another rank's input was bad.
         """
-        if self._prefetched is not None:
-            dispatched = self._prefetched
-            if dispatched.features is not features:
-                self.group.reject(
-                    ValueError(
-                        "forward: a batch was prefetched and not yet forwarded; forward that batch (the same "
-                        "KeyedJaggedTensor object passed to prefetch) before any other"
-                    ),
-                    op=OP,
-                )
+        dispatched = self._prefetched
+        if dispatched is not None and dispatched.features is features:
+            if features._contents_version() != dispatched.versions:
+                self._discard_prefetched()
+                self._fail_together(modified_after_prefetch())
             self._prefetched = None
         else:
+            # Not the prefetched batch (an evaluation batch, activation checkpointing's recompute): its own
+            # exchange, as without a prefetch; the prefetched batch keeps waiting, already exchanged.
             dispatched = self._dispatch(features, async_op=False)
         return self._pool(dispatched)
+
+    def _fail_together(self, error: Exception) -> NoReturn:
+        """Raise ``error`` here and PeerError on every peer, in the collective the peers are entering.
+
+        For an error of this rank alone before the collective (a bad batch,
+        a loader that raised): the peers would otherwise wait in it, or
+        take this rank's next collective for it.
+        """
+
+        def check() -> None:
+            raise error
+
+        self.group.agree(check, op=OP)
+        raise AssertionError("unreachable: the agreement re-raises the error")
 
     def _dispatch(self, features: KeyedJaggedTensor, async_op: bool) -> Dispatched:
         """Check and route ``features``, and start (or run) the exchange of its ids."""
         group = self.group
         try:
             kjt = self._check(features)
-        except (KeyError, IndexError, ValueError, TypeError) as exc:
-            group.reject(exc, op=OP)
-        batch = kjt.stride()
-        kjt = kjt.to(self._device())  # ids where the tables are (one copy; none when they already are)
-        per_table = dict(zip([t.name for t in self._tables], self._split_by_table(kjt), strict=True))
-        routes = self._routes
-        sharded = [per_table[r.config.name] for r in routes.sharded]
-        messages = route_ids(routes, [s[0] for s in sharded], [s[1] for s in sharded], [s[2] for s in sharded], batch)
+            batch = kjt.stride()
+            kjt = kjt.to(self._device())  # ids where the tables are (one copy; none when they already are)
+            per_table = dict(zip([t.name for t in self._tables], self._split_by_table(kjt), strict=True))
+            routes = self._routes
+            sharded = [per_table[r.config.name] for r in routes.sharded]
+            messages = route_ids(
+                routes, [s[0] for s in sharded], [s[1] for s in sharded], [s[2] for s in sharded], batch
+            )
+        except Exception as exc:  # noqa: BLE001 - any error of this rank's alone: the peers must hear it
+            self._fail_together(exc)
         sent = sum(m.numel() * 8 for m in messages)
         if async_op:
             return Dispatched(features, batch, per_table, sent, group.all_to_all(messages, async_op=True))

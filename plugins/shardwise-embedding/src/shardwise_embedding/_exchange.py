@@ -38,6 +38,7 @@ __all__ = [
     "Inbox",
     "Routes",
     "TableRoute",
+    "modified_after_prefetch",
     "no_batch_messages",
     "parse_inbox",
     "ranks_without_batch",
@@ -278,6 +279,16 @@ def uneven_batches(without: Sequence[int], world: int) -> ValueError:
     )
 
 
+def modified_after_prefetch() -> ValueError:
+    """The error ``forward`` raises for a prefetched batch whose ids, lengths or weights changed since."""
+    return ValueError(
+        "forward: the batch was modified in place after prefetch() had started its exchange (its ids, lengths "
+        "or weights changed), so its ids travelled as they were before: change a batch before it is prefetched "
+        "(with SparseDistPipeline, in the loader, not in the loop body), and give each batch tensors of its own "
+        "(a loader that refills one buffer in place needs a copy per batch, or load_ahead=False)"
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class Dispatched:
     """A batch checked, routed and with its ids' exchange started (or done), waiting to be pooled."""
@@ -288,6 +299,8 @@ class Dispatched:
     per_table: dict[str, tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]
     sent_bytes: int
     exchange: Any  # the ids each rank sent here, or a Work that gives them
+    # The features' in-place version counters when the exchange started (prefetched batches only).
+    versions: tuple[int, ...] = ()
 
     def received(self) -> list[torch.Tensor]:
         """The ids each rank sent here (waiting for the exchange if it is still running)."""

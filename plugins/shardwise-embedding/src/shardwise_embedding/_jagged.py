@@ -43,6 +43,13 @@ def _as_1d(name: str, t: torch.Tensor, *, integer: bool) -> torch.Tensor:
     return t
 
 
+def _version_of(t: Optional[torch.Tensor]) -> int:
+    """``t``'s in-place version counter; -1 for no tensor or one that keeps none (an inference tensor)."""
+    if t is None or t.is_inference():
+        return -1
+    return t._version
+
+
 def _offsets_of(lengths: torch.Tensor) -> torch.Tensor:
     out = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
     torch.cumsum(lengths, 0, out=out[1:])
@@ -256,6 +263,15 @@ class KeyedJaggedTensor:
             )
         if self._weights is not None and self._weights.numel() != self._values.numel():
             raise ValueError(f"weights has {self._weights.numel()} entries for {self._values.numel()} values")
+
+    def _contents_version(self) -> tuple[int, ...]:
+        """Version counters of the ids, lengths and weights: any in-place change to one moves its counter.
+
+        A prefetched batch is compared against this when it is forwarded
+        (:meth:`ShardedEmbeddingBagCollection.prefetch`). Tensors made under
+        ``torch.inference_mode`` keep no counter (-1).
+        """
+        return tuple(_version_of(t) for t in (self._values, self._lengths, self._weights))
 
     # -- TorchRec's accessors -----------------------------------------------------------------
 
