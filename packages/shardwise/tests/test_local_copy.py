@@ -157,6 +157,51 @@ def test_conjugate_and_negative_views_move_their_values(world_size: int) -> None
         assert res["moved"] > 0
 
 
+def _aliased() -> dict[str, int]:
+    """Results that overlap the call's own inputs, or require grad, on both paths: the dense values."""
+    g = shardwise.get_default_group()
+    off = group_without_local_copy(g)
+    r, w = g.rank, g.size
+    rows = 512  # 2 MiB a rank: the race below had a wide window
+    dense = torch.arange(w * rows * ROW, dtype=torch.float32).reshape(w * rows, ROW)
+    before = _moved()
+    for group in (g, off):
+        for _ in range(3):
+            # Rank 0 keeps its shard (the last rows) in the first rows of the very tensor it gathers into.
+            out = torch.zeros_like(dense) if r == 0 else None
+            owned = (r - 1) % w
+            if out is not None:
+                mine = out[:rows]
+                mine.copy_(dense[owned * rows : (owned + 1) * rows])
+            else:
+                mine = dense[owned * rows : (owned + 1) * rows].clone()
+            md = shardwise.ShardMetadata([owned * rows, 0], [rows, ROW], f"rank:{r}/cpu")
+            st = shardwise.sharded_tensor.init_from_local_shards([Shard(mine, md)], w * rows, ROW, process_group=group)
+            st.gather(dst=0, out=out)
+            assert out is None or torch.equal(out, dense), "gather into the memory of a local shard"
+        # In place: every rank's rows for the others arrive over the ones it sends.
+        sent = dense[: w * 8] + 1000 * r
+        t = sent.clone()
+        group.all_to_all_single(t, out=t)
+        expected = torch.cat([dense[r * 8 : (r + 1) * 8] + 1000 * q for q in range(w)])
+        assert torch.equal(t, expected), "all_to_all_single in place"
+        # Results that require grad: a collective writes their data, as torch's do.
+        leaf = torch.zeros(w * rows, ROW, requires_grad=True)
+        group.all_gather(dense[r * rows : (r + 1) * rows], out=leaf)
+        assert torch.equal(leaf.detach(), dense), "all_gather into a leaf that requires grad"
+        leaf = torch.zeros(w * rows, ROW, requires_grad=True)
+        group.all_to_all_single(dense + r, out=leaf)
+        expected = torch.cat([dense[r * rows : (r + 1) * rows] + q for q in range(w)])
+        assert torch.equal(leaf.detach(), expected), "all_to_all_single into a leaf that requires grad"
+    return {"moved": _moved() - before}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_results_that_overlap_the_inputs_or_require_grad_get_the_values(world_size: int) -> None:
+    for res in run(_aliased, world_size):
+        assert res["moved"] > 0
+
+
 def _only_on_one_host() -> dict[str, bool]:
     g = shardwise.get_default_group()
     # Ranks 0 and 1 on one host, 2 and 3 on another.

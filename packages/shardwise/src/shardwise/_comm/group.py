@@ -1236,12 +1236,15 @@ class Group(abc.ABC):
             outs = list(call.splits_b)
 
         def move() -> torch.Tensor:
-            direct = self._direct_all_to_all_single(tensor, outs, ins, out)
+            # In place (``out`` is ``tensor``, or overlaps it): rows would arrive over rows not yet sent, which
+            # torch's gloo and MPI leave undefined. Send from a copy.
+            sent = tensor.clone() if out is not None and _wire.shares_memory(tensor, out) else tensor
+            direct = self._direct_all_to_all_single(sent, outs, ins, out)
             if direct is not None:
                 return direct
-            shape = tuple(tensor.shape)
-            per_row = tensor.dtype.itemsize * prod(shape[1:])
-            wire = _wire.to_bytes(tensor, self._wire_device(tensor))
+            shape = tuple(sent.shape)
+            per_row = sent.dtype.itemsize * prod(shape[1:])
+            wire = _wire.to_bytes(sent, self._wire_device(sent))
             if out is None:
                 target = buffers.empty_like(wire, (sum(outs) * per_row,))
             else:

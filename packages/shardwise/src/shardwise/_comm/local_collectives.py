@@ -19,6 +19,7 @@ import torch
 
 from shardwise._comm import local_copy
 from shardwise._comm.local_copy import Copy
+from shardwise._vocab.wire import shares_memory
 
 if TYPE_CHECKING:
     from shardwise._comm.group import Group
@@ -33,13 +34,6 @@ MIN_BYTES = 64 * 1024
 MIN_BROADCAST_BYTES = 4 * 1024 * 1024
 
 
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if not a.numel() or not b.numel():
-        return False
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
-
-
 def _move(
     group: Group,
     name: str,
@@ -48,9 +42,12 @@ def _move(
     reads: Callable[[list[list[int]]], list[tuple[int, torch.Tensor]]],
 ) -> bool:
     """A collective whose receivers read every byte: ``reads`` lists (pid, runs) per peer (``local_copy.transfer``)."""
-    return local_copy.transfer(
-        group, name, ok, fields, lambda rows: [Copy(p, r, False) for p, r in reads(rows)]
-    )
+    # The caller's tensors may require grad (a leaf ``out``): a collective moves data, which autograd does
+    # not track, so the local copies into ``out`` run as the backends' writes do, outside the graph.
+    with torch.no_grad():
+        return local_copy.transfer(
+            group, name, ok, fields, lambda rows: [Copy(p, r, False) for p, r in reads(rows)]
+        )
 
 
 def _addr(t: Optional[torch.Tensor]) -> int:
@@ -73,7 +70,7 @@ def all_to_all(
     The few integers the ranks swap go through ``group._all_gather_ints``; the same for every function here.
     """
     item = inp.element_size()
-    ok = local_copy.copyable(out, inp) and out.dtype == inp.dtype and not _overlap(out, inp)
+    ok = local_copy.copyable(out, inp) and out.dtype == inp.dtype and not shares_memory(out, inp)
     send_at = _offsets(in_counts, item)
     recv_at = _offsets(out_counts, item)
 
@@ -103,7 +100,7 @@ def scatter(
     if sum(counts) * item < MIN_BYTES:
         return False
     at = _offsets(counts, item)
-    ok = local_copy.copyable(out, inp) and (inp is None or (inp.dtype == out.dtype and not _overlap(out, inp)))
+    ok = local_copy.copyable(out, inp) and (inp is None or (inp.dtype == out.dtype and not shares_memory(out, inp)))
 
     def reads(rows: list[list[int]]) -> list[tuple[int, torch.Tensor]]:
         me = group.rank
@@ -128,7 +125,7 @@ def gather(
     if sum(counts) * item < MIN_BYTES:
         return False
     at = _offsets(counts, item)
-    ok = local_copy.copyable(out, inp) and (out is None or (inp.dtype == out.dtype and not _overlap(out, inp)))
+    ok = local_copy.copyable(out, inp) and (out is None or (inp.dtype == out.dtype and not shares_memory(out, inp)))
 
     def reads(rows: list[list[int]]) -> list[tuple[int, torch.Tensor]]:
         if group.rank != dst:
@@ -154,7 +151,7 @@ def all_gather(group: Group, out: torch.Tensor, inp: torch.Tensor, counts: Seque
     me = group.rank
     # ``inp`` may be this rank's slot of ``out`` already (FSDP-style); any other overlap declines.
     in_slot = inp.numel() > 0 and inp.data_ptr() == _addr(out) + at[me]
-    ok = local_copy.copyable(out, inp) and inp.dtype == out.dtype and (in_slot or not _overlap(out, inp))
+    ok = local_copy.copyable(out, inp) and inp.dtype == out.dtype and (in_slot or not shares_memory(out, inp))
 
     def reads(rows: list[list[int]]) -> list[tuple[int, torch.Tensor]]:
         if not in_slot:

@@ -23,6 +23,7 @@ from shardwise._tensor.layout_checks import SAME_TENSOR, check_same, layout_dige
 from shardwise._tensor.specs import ShardingSpec
 from shardwise._vocab.metadata import ShardMetadata, ShardedTensorMetadata, dtype_from_name, dtype_name
 from shardwise._vocab.shard import Shard, ShardHolder
+from shardwise._vocab.wire import shares_memory
 
 __all__ = ["all_gather_tensor", "gather_to"]
 
@@ -128,6 +129,10 @@ def gather_to(
     target = _whole(md, group.ranks[dst])
     pl = plan(md, target, group.rank, group.size, group.global_to_group())
     sources = match_sources(shards, md, group.global_rank)
+    if out is not None:
+        # A local shard that is a view of ``out`` (a root that keeps its shard in the result's memory) would
+        # be read while the peers' rows and its own land over it: copy it out first.
+        sources = {j: t.clone() if shares_memory(t, out) else t for j, t in sources.items()}
     execute(pl, sources, {0: out} if out is not None else {}, group, wire, trusted=True)
 
 

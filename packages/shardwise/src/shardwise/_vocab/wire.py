@@ -25,6 +25,7 @@ __all__ = [
     "from_bytes",
     "from_wire",
     "normalize_reduce_op",
+    "shares_memory",
     "to_bytes",
     "to_wire",
     "wire_dtype",
@@ -167,6 +168,30 @@ def to_bytes(tensor: torch.Tensor, device: Optional[torch.device]) -> torch.Tens
         # expanded gradient has stride 0), but a byte view needs stride 1.
         flat = flat.clone(memory_format=torch.contiguous_format).as_strided((flat.numel(),), (1,))
     return flat.view(torch.uint8)
+
+
+def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory spans of ``a`` and ``b`` (first to last element) intersect on one device.
+
+    By address, not by storage object: two tensors made over one buffer
+    (``torch.frombuffer``) share memory without sharing a storage. A span
+    is conservative for strided tensors (interleaved views count as
+    sharing), which only costs a caller a defensive copy.
+    """
+    if not a.numel() or not b.numel() or a.device != b.device:
+        return False
+    a0, a1 = _span(a)
+    b0, b1 = _span(b)
+    return a0 < b1 and b0 < a1
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The addresses of ``t``'s first and one past its last byte (any strides, negative ones too)."""
+    low = high = t.data_ptr()
+    for size, stride in zip(t.shape, t.stride(), strict=True):
+        reach = (size - 1) * stride * t.element_size()
+        low, high = (low + reach, high) if reach < 0 else (low, high + reach)
+    return low, high + t.element_size()
 
 
 def from_bytes(flat: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
