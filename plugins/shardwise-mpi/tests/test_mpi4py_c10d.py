@@ -56,6 +56,20 @@ def test_dtensor_and_checkpoint_round_trip(tmp_path: Path) -> None:
     assert (tmp_path / ".metadata").exists()
 
 
+@needs_mpiexec
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_sub_groups_hold_the_processes_of_their_torch_ranks(world_size: int) -> None:
+    # env:// numbers the processes in the reverse of MPI's order; sub-groups are named by torch rank.
+    cmd = [
+        str(MPIEXEC), "-n", str(world_size), sys.executable, str(PROGRAMS / "c10d_rank_order.py"), str(_free_port())
+    ]
+    proc = _run(cmd, 120)
+    assert proc.returncode == 0, _show(proc)
+    found = _ok_ranks(proc)
+    assert sorted(found) == list(range(world_size)), _show(proc)
+    assert found[0] == 4, _show(proc)  # rank 0 is in every sub-group
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

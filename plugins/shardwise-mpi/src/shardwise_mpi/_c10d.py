@@ -69,6 +69,7 @@ import torch.distributed as dist
 from shardwise.sdk import local_broadcast
 from shardwise_mpi._c10d_allreduce import ring_allreduce, takes_ring
 from shardwise_mpi._c10d_buffers import gather_list, list_source, list_target, prefer_huge_pages, scatter_list
+from shardwise_mpi._c10d_p2p import Outstanding, P2PWork, post_recv, post_send
 from shardwise_mpi._c10d_rendezvous import mpi as _mpi
 from shardwise_mpi._c10d_rendezvous import mpi_rendezvous_handler as _mpi_rendezvous_handler
 from shardwise_mpi._c10d_rendezvous import mpi_store as _mpi_store  # noqa: F401 - plugin.py imports it from here
@@ -141,6 +142,9 @@ class MpiProcessGroup(dist.ProcessGroup):
     Every collective blocks until this rank's part is done and returns a
     completed ``Work`` (``wait()`` returns at once; ``get_future()`` holds the
     output tensors), so ``async_op=True`` is accepted but not overlapped.
+    Point-to-point messages (``send``/``recv``, and so ``isend``/``irecv``
+    and ``batch_isend_irecv``) are posted without blocking and finished by
+    their Work's ``wait()``, as torch's other backends do.
 
     Args:
         comm: A communicator this group owns (a duplicate/split of the user's,
@@ -156,6 +160,7 @@ class MpiProcessGroup(dist.ProcessGroup):
         self._desc = "undefined"
         self._C = _collectives()
         self._side_comm: Any = None  # see _side()
+        self._outstanding = Outstanding(_mpi())
         self._one_copy = self._one_copy_group(timeout)
         # MPI cannot cancel a blocked call: past the group's timeout the job is reported and aborted.
         self._watch = Watchdog(
@@ -189,6 +194,7 @@ class MpiProcessGroup(dist.ProcessGroup):
     def shutdown(self) -> None:
         """Free the group's communicators (``destroy_process_group`` calls this)."""
         self._watch.close()
+        self._outstanding.abandon()
         one_copy, self._one_copy = self._one_copy, None
         if one_copy is not None:
             one_copy.destroy()  # its watchdog; the communicator is this group's, freed below
@@ -200,7 +206,7 @@ class MpiProcessGroup(dist.ProcessGroup):
                     c.Free()
 
     def _side(self) -> Any:
-        """A duplicate of the group's communicator for the point-to-point messages of scatter, gather, all_reduce.
+        """A duplicate of the group's communicator for the point-to-point messages inside collectives.
 
         Their messages then never match the program's own ``send``/``recv`` on
         the group. Made on first use: every rank of the group is then inside
@@ -358,8 +364,10 @@ class MpiProcessGroup(dist.ProcessGroup):
         out_splits = list(output_split_sizes) or [output.shape[0] // size] * size
         out_counts, in_counts = [s * out_row for s in out_splits], [s * in_row for s in in_splits]
         prefer_huge_pages(output)
+        # On the side communicator: the exchange is point to point, which must never match the program's own
+        # send/recv on the group (a message of the same tag would swap data silently).
         with self._watch("all_to_all"):
-            self._C.alltoallv(self.comm, output, out_counts, inp, in_counts)
+            self._C.alltoallv(self._side(), output, out_counts, inp, in_counts)
         return _completed([output])
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> Any:
@@ -370,7 +378,7 @@ class MpiProcessGroup(dist.ProcessGroup):
         flat_in = list_source(inputs)
         flat_out, finish = list_target(outputs, flat_in.dtype, flat_in.device)
         with self._watch("all_to_all"):
-            self._C.alltoallv(self.comm, flat_out, out_counts, flat_in, in_counts)
+            self._C.alltoallv(self._side(), flat_out, out_counts, flat_in, in_counts)
         finish()
         return _completed(outputs)
 
@@ -413,33 +421,17 @@ class MpiProcessGroup(dist.ProcessGroup):
         return _completed(None)
 
     # --- point to point ---------------------------------------------------
+    # Posted without blocking (torch's isend/irecv return at once; a blocking send of more than MPI's
+    # eager size would wait for the receive the peer posts only after its own send): see _c10d_p2p.
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any:
-        MPI = _mpi()
-        for t in tensors:
-            src = t.detach().contiguous().cpu()
-            with self._watch("send"):
-                nbytes = src.numel() * src.element_size()
-                self.comm.Send(
-                    [MPI.buffer.fromaddress(src.data_ptr(), nbytes, readonly=True), MPI.BYTE],
-                    dest=dst,
-                    tag=tag,
-                )
-        return _completed(tensors)
+        requests, sources, finish = post_send(_mpi(), self.comm, tensors, dst, tag)
+        self._outstanding.add(requests, sources)
+        return P2PWork(_mpi(), requests, tensors, finish, self._watch, "send")
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any:
-        MPI = _mpi()
-        for t in tensors:
-            buf = t.detach() if (t.is_contiguous() and t.device.type == "cpu") else torch.empty_like(t, device="cpu")
-            prefer_huge_pages(buf)
-            with self._watch("recv"):
-                self.comm.Recv(
-                    [MPI.buffer.fromaddress(buf.data_ptr(), buf.numel() * buf.element_size()), MPI.BYTE],
-                    source=src,
-                    tag=tag,
-                )
-            if buf is not t:
-                t.copy_(buf)
-        return _completed(tensors)
+        requests, buffers, finish = post_recv(_mpi(), self.comm, tensors, src, tag)
+        self._outstanding.add(requests, buffers)
+        return P2PWork(_mpi(), requests, tensors, finish, self._watch, "recv")
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> Any:
         raise NotImplementedError(
@@ -449,6 +441,11 @@ class MpiProcessGroup(dist.ProcessGroup):
 
 
 # --- creation -------------------------------------------------------------
+#: MPI_COMM_WORLD's rank of each torch global rank, from the last default group made on this backend (empty
+#: before: torch ranks are taken to be MPI's).
+_world_rank_of: list[int] = []
+
+
 def _create(backend_opts: Any, pg_options: Any = None) -> MpiProcessGroup:
     """The ``register_backend`` creator (extended API): a group over a fresh communicator."""
     MPI = _mpi()
@@ -464,12 +461,23 @@ def _create(backend_opts: Any, pg_options: Any = None) -> MpiProcessGroup:
                 f"{world.Get_size()} processes; launch with mpiexec -n {size} or drop world_size"
             )
         comm = world.Split(0, rank)
+        # Where each torch rank runs in MPI_COMM_WORLD (rendezvous may number the processes otherwise than
+        # MPI): sub-groups name torch ranks.
+        _world_rank_of[:] = [0] * size
+        for world_rank, torch_rank in enumerate(world.allgather(rank)):
+            _world_rank_of[torch_rank] = world_rank
     else:
         # Sub-group: torch calls the creator on members only, so the
         # collective must be over the members (MPI_Comm_create_group).
-        comm = world.Create_group(world.Get_group().Incl(ranks))
-    if comm.Get_rank() != rank:
-        raise RuntimeError(f"MPI rank {comm.Get_rank()} differs from torch group rank {rank}")
+        members = [_world_rank_of[r] if r < len(_world_rank_of) else r for r in ranks]
+        comm = world.Create_group(world.Get_group().Incl(members))
+    if comm == MPI.COMM_NULL or comm.Get_rank() != rank:
+        raise RuntimeError(
+            f'torch.distributed backend "mpi4py": this process (MPI rank {world.Get_rank()}) is torch group rank '
+            f"{rank} of {ranks}, but its MPI communicator does not say so: torch's ranks differ from MPI's, and the "
+            'default process group is not on "mpi4py" (which maps them); initialise the default group with '
+            '"mpi4py", or let the rendezvous number the processes as MPI does'
+        )
     return MpiProcessGroup(comm, str(backend_opts.group_id), timeout=getattr(backend_opts, "timeout", None))
 
 

@@ -125,6 +125,60 @@ def main() -> None:
             dist.recv(got, (rank - 1) % n)
             dist.send(t, (rank + 1) % n)
         check("send/recv", got, torch.full((2,), float((rank - 1) % n)))
+        # Every rank sends first, then receives: 1 MiB, past MPI's eager size, where a blocking send waits
+        # for a receive its peer has not posted yet.
+        big = 1 << 18
+        nxt, prev = (rank + 1) % n, (rank - 1) % n
+        sent, got = torch.full((big,), float(rank)), torch.empty(big)
+        ops = [dist.P2POp(dist.isend, sent, nxt), dist.P2POp(dist.irecv, got, prev)]
+        works = dist.batch_isend_irecv(ops)
+        for work in works:
+            work.wait()
+            assert work.is_completed()
+        check("batch_isend_irecv 1 MiB both ways", got, torch.full((big,), float(prev)))
+        got = torch.empty(big)
+        send_work = dist.isend(sent + 1, nxt)
+        dist.recv(got, prev)
+        send_work.wait()
+        check("isend then recv 1 MiB", got, torch.full((big,), float(prev + 1)))
+        # Tags received in the reverse of their sending order, both past the eager size.
+        first, second = torch.empty(big), torch.empty(big)
+        works = [dist.isend(sent + tag, nxt, tag=tag) for tag in (1, 2)]
+        later = dist.irecv(first, prev, tag=1)
+        dist.recv(second, prev, tag=2)
+        later.wait()
+        for work in works:
+            work.wait()
+        want = torch.stack([torch.full((big,), float(prev + 1)), torch.full((big,), float(prev + 2))])
+        check("tags out of order", torch.stack([first, second]), want)
+        # A transposed (dense, permuted) receiver gets the values in its own element order.
+        square = torch.arange(6.0).view(2, 3) + rank
+        into = torch.empty(3, 2).t()
+        work = dist.isend(square, nxt)
+        dist.recv(into, prev)
+        work.wait()
+        check("recv into a transposed tensor", into, torch.arange(6.0).view(2, 3) + prev)
+        # A user's message whose tag an all_to_all might use inside must not meet it.
+        mine = dist.isend(torch.full((2,), -1.0 - rank), nxt, tag=7011)
+        out = torch.empty(2 * n)
+        dist.all_to_all_single(out, torch.arange(2.0 * n) + 100 * rank)
+        check("all_to_all_single beside a user message", out,
+              torch.cat([torch.arange(2.0 * rank, 2.0 * rank + 2) + 100 * r for r in range(n)]))
+        user = torch.empty(2)
+        dist.recv(user, prev, tag=7011)
+        mine.wait()
+        check("the user message", user, torch.full((2,), -1.0 - prev))
+        from mpi4py import MPI  # the library's largest tag
+
+        upper = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
+        if upper < (1 << 31) - 1:  # a larger tag still fits torch's int
+            try:
+                dist.send(sent, nxt, tag=upper + 1)
+            except ValueError as exc:
+                assert "MPI_TAG_UB" in str(exc), exc
+                checks.append("tag past MPI_TAG_UB")
+            else:
+                raise AssertionError("a tag past MPI_TAG_UB was accepted")
 
     dist.barrier()
     checks.append("barrier")
