@@ -125,7 +125,10 @@ class P2PWork(Work):
 
 def _checked_tag(mpi: Any, comm: Any, tag: int) -> int:
     """``tag``, if MPI can carry it; else ValueError naming the library's limit."""
-    upper = comm.Get_attr(mpi.TAG_UB)
+    # MPI_TAG_UB hangs off MPI_COMM_WORLD (Open MPI gives None on other communicators; MPICH on all).
+    upper = mpi.COMM_WORLD.Get_attr(mpi.TAG_UB)
+    if upper is None:
+        upper = (1 << 31) - 1
     if not 0 <= tag <= upper:
         raise ValueError(
             f'send/recv: tag {tag} is outside what this MPI library carries (0..{upper}, MPI_TAG_UB); torch backend '

@@ -13,10 +13,19 @@ import sys
 from datetime import timedelta
 
 
-def main() -> None:
-    from mpi4py import MPI  # before torch: which process this is, in MPI's numbering
+def _launcher(*names: str) -> int:
+    """The first of ``names`` the MPI launcher set (Hydra's PMI_*, Open MPI's OMPI_COMM_WORLD_*)."""
+    for name in names:
+        if name in os.environ:
+            return int(os.environ[name])
+    raise RuntimeError(f"run under mpiexec or mpirun: none of {names} is set")
 
-    mpi_rank, n = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+
+def main() -> None:
+    # Which process this is in MPI's numbering, from the launcher: importing mpi4py.MPI here would load a
+    # library before shardwise_mpi picks the one of the launcher's kind.
+    mpi_rank = _launcher("PMI_RANK", "OMPI_COMM_WORLD_RANK")
+    n = _launcher("PMI_SIZE", "OMPI_COMM_WORLD_SIZE")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], WORLD_SIZE=str(n), RANK=str(n - 1 - mpi_rank))
     import shardwise_mpi
     import torch
