@@ -13,6 +13,8 @@ What is here:
   buffers) and its accounting (:func:`live_bytes`, :func:`peak_new_bytes`,
   :func:`reset_peak`). A plugin that moves data allocates through it so the
   memory bounds the core promises hold for plugin ops too.
+  :func:`shares_memory` is the one test of whether two tensors may alias
+  (by address span), for collectives that must copy an aliased input first.
 * **reduce ops** — :data:`REDUCE_OPS` (the names every backend accepts),
   :data:`BITWISE_REDUCE_OPS` (torch's bitwise ones, for backends of torch's
   process-group API) and :func:`normalize_reduce_op` (``"sum"``, ``torch.distributed.ReduceOp.SUM``,
@@ -59,7 +61,7 @@ from shardwise._comm.local_collectives import gather as local_gather
 from shardwise._comm.local_collectives import scatter as local_scatter
 from shardwise._comm.round_trip import RoundTrip
 from shardwise._comm.work import Work
-from shardwise._vocab.wire import BITWISE_REDUCE_OPS, REDUCE_OPS, normalize_reduce_op
+from shardwise._vocab.wire import BITWISE_REDUCE_OPS, REDUCE_OPS, normalize_reduce_op, shares_memory
 
 __all__ = [
     "AGREED_ERRORS",
@@ -81,5 +83,6 @@ __all__ = [
     "peak_new_bytes",
     "reset_peak",
     "resolve_group",
+    "shares_memory",
     "zeros",
 ]

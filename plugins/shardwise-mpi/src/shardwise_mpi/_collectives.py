@@ -258,35 +258,8 @@ def _target(t: torch.Tensor, dtype: Optional[torch.dtype] = None) -> tuple[torch
     return work, finish
 
 
-def _byte_span(t: torch.Tensor) -> tuple[int, int]:
-    """The half-open range of addresses ``[lo, hi)`` that ``t``'s elements occupy (empty when ``t`` is)."""
-    if t.numel() == 0:
-        return 0, 0
-    lo = hi = t.data_ptr()
-    item = t.element_size()
-    for size, stride in zip(t.shape, t.stride(), strict=True):
-        reach = (size - 1) * stride * item
-        if reach < 0:
-            lo += reach
-        else:
-            hi += reach
-    return lo, hi + item
-
-
-def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether any byte of ``a`` may share memory with a byte of ``b``.
-
-    Compares addresses rather than storages, so it also catches two storages
-    over one block of memory (``torch.frombuffer``, DLPack). Views whose
-    byte ranges interleave without sharing an element (``t[::2]`` and
-    ``t[1::2]``) count as overlapping: a copy is always safe, a missed
-    alias is not.
-    """
-    if a.device != b.device:
-        return False
-    a_lo, a_hi = _byte_span(a)
-    b_lo, b_hi = _byte_span(b)
-    return a_lo < a_hi and b_lo < b_hi and a_lo < b_hi and b_lo < a_hi
+#: Whether two tensors may share memory (by address span): the core's one rule.
+overlaps = sdk.shares_memory
 
 
 def _is_slot(part: torch.Tensor, whole: torch.Tensor, offset: int) -> bool:

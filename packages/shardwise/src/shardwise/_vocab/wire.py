@@ -171,12 +171,13 @@ def to_bytes(tensor: torch.Tensor, device: Optional[torch.device]) -> torch.Tens
 
 
 def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether the memory spans of ``a`` and ``b`` (first to last element) intersect on one device.
+    """Whether any byte of ``a`` may share memory with a byte of ``b`` (their spans intersect on one device).
 
-    By address, not by storage object: two tensors made over one buffer
-    (``torch.frombuffer``) share memory without sharing a storage. A span
-    is conservative for strided tensors (interleaved views count as
-    sharing), which only costs a caller a defensive copy.
+    By address, not by storage object: two storages over one block of
+    memory (``torch.frombuffer``, DLPack) share memory too. A span is
+    conservative for strided tensors: views whose bytes interleave without
+    sharing an element (``t[::2]`` and ``t[1::2]``) count as sharing, since
+    a copy is always safe and a missed alias is not.
     """
     if not a.numel() or not b.numel() or a.device != b.device:
         return False
