@@ -260,6 +260,28 @@ def test_optimizer_state_reshards_with_the_parameters(tmp_path: Path, optimizer:
     assert _run(optimizer_load_rank, 3, path, optimizer) == [[], [], []]
 
 
+def one_holder_save_rank(path: str) -> list[list[str]]:
+    """The whole weight on rank 0 (rank 1 holds none of it) and a tensor learning rate."""
+    from shardwise.sharded_optim import ShardedOptimizer
+    from shardwise.sharding_spec import EnumerableShardingSpec, ShardMetadata
+
+    weight = _sharded(WEIGHT, EnumerableShardingSpec([ShardMetadata([0, 0], [9, 4], "rank:0/cpu")]),
+                      requires_grad=True)
+    bias = torch.zeros(4, requires_grad=True)
+    opt = ShardedOptimizer({"weight": weight, "bias": bias}, OPTIMIZERS["sgd-momentum"], lr=torch.tensor(0.1))
+    _train(weight, bias, opt, range(2))
+    state = ckpt.optimizer_state(opt)
+    ckpt.save({"model": {"weight": weight, "bias": bias}, "optim": state}, path)
+    return [group["params"] for group in state["param_groups"]]
+
+
+def test_param_groups_name_the_parameters_a_rank_holds_no_shard_of(tmp_path: Path) -> None:
+    """Every rank lists every parameter (DCP keeps one rank's copy), and a tensor lr loads back."""
+    path = str(tmp_path / "ckpt")
+    assert _run(one_holder_save_rank, 2, path) == [[["weight", "bias"]]] * 2
+    assert _run(optimizer_load_rank, 3, path, "sgd-momentum") == [[], [], []]
+
+
 def no_optimizer_rank(path: str) -> tuple[str, str]:
     from shardwise.sharded_optim import ShardedOptimizer
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -96,7 +97,9 @@ def check(st: ShardedTensor, dense: torch.Tensor, spec: ShardingSpec, requires_g
     for shard in st.local_shards():
         expected = _box(dense, shard.metadata)
         t = shard.tensor
-        assert t.dtype == dense.dtype and t.is_contiguous() and t.is_leaf, where
+        # Moved under grad mode, a shard that requires grad is autograd's output (as torch's reshard makes it).
+        assert t.dtype == dense.dtype and t.is_contiguous(), where
+        assert t.is_leaf or (requires_grad and t.grad_fn is not None), where
         assert t.requires_grad == requires_grad, where
         assert torch.equal(t.detach(), expected), (where, shard.metadata, t, expected)
 
@@ -209,6 +212,42 @@ def test_every_layout_pair(world_size: int) -> None:
     assert counts == [2 * 36 + (3 if HAS_TORCH_PG else 0)] * world_size
 
 
+def gradients_through_reshard() -> int:
+    """Every layout pair: a loss on the resharded tensor gives each old shard the gradient of its box."""
+    g = shardwise.get_default_group()
+    size = [7, 5]
+    dense = _dense(size, torch.float64)
+    weights = torch.arange(35, dtype=torch.float64).reshape(size) / 7 - 2
+    specs = layouts(size, g.size)
+    done = 0
+    for (a, src), (b, dst) in itertools.product(specs.items(), repeat=2):
+        holders = {s.rank for s in dst.build_metadata(dense.shape, TensorProperties(dtype=dense.dtype)).shards_metadata}
+        if holders != set(range(g.size)):
+            # The backward's reverse move is a collective: a rank without a new shard has nothing to call it on.
+            continue
+        st = make(dense, src, requires_grad=True)
+        old = [(s.tensor, s.metadata) for s in st.local_shards()]
+        st.reshard(dst)
+        loss = sum(((s.tensor * _box(weights, s.metadata)).sum() for s in st.local_shards()), torch.zeros(()))
+        loss.backward()
+        for t, md in old:
+            expected = _box(weights, md)
+            assert t.grad is not None and torch.equal(t.grad, expected), (a, b, md, t.grad, expected)
+        with torch.no_grad():
+            st2 = make(dense, src, requires_grad=True)
+            st2.reshard(dst)
+        # Under no_grad the new shards are leaves that still require grad (torch's do not: docs/migrating.md).
+        assert all(s.tensor.is_leaf and s.tensor.requires_grad for s in st2.local_shards()), (a, b)
+        done += 1
+    return done
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_gradients_flow_back_through_reshard(world_size: int) -> None:
+    # With 1 rank every layout holds a shard on it; with 3, "one_rank" leaves two ranks without one.
+    assert _run(gradients_through_reshard, world_size) == [36 if world_size == 1 else 30] * world_size
+
+
 def reshard_memory() -> list[float]:
     """Peak bytes of shardwise buffers each dim 0 <-> dim 1 reshard adds, in local shards."""
     from shardwise._comm import buffers as _memory
@@ -283,7 +322,7 @@ def bad_inputs() -> dict[str, tuple[str, str]]:
 
 # On every rank: (error type, fragment).
 EXPECTED_ALL = {
-    "spec_mismatch": ("ValueError", "ranks disagree on the resharding spec: rank 0 passed {'type': 'chunk', 'dim': 0"),
+    "spec_mismatch": ("ValueError", "ranks disagree on the resharding spec: rank 0's ChunkShardingSpec(dim=0"),
     "other_size": ("ValueError", "cannot reshard a tensor of size [7, 5] with EnumerableShardingSpec"),
     "outside_group": ("ValueError", "is placed on rank 5, but the group has 3 rank(s)"),
     "out_dtype": ("ValueError", "cannot write torch.float32 data into ``out`` of dtype torch.int32"),
@@ -311,7 +350,7 @@ def test_bad_input_raises_on_every_rank() -> None:
     for rank, seen in enumerate(results):
         for case, (kind, fragment) in EXPECTED_ALL.items():
             assert seen[case][0] == kind and fragment in seen[case][1], (rank, case, seen[case])
-        assert "rank 1 passed {'type': 'chunk', 'dim': 1" in seen["spec_mismatch"][1]
+        assert "rank 1's ChunkShardingSpec(dim=1" in seen["spec_mismatch"][1]
         assert "ends at 8 in dim 0, outside the tensor of size [7, 5]" in seen["other_size"][1]
         own_size = [8 if rank == 2 else 7, 5]
         assert f"this rank's has size {own_size}" in seen["full_tensor_size_mismatch"][1], seen
@@ -330,3 +369,55 @@ def test_a_round_count_from_a_peer_must_be_an_int_from_1_to_8(bad: object) -> No
     assert _agreed_rounds([1, 2, 1]) == 2
     with pytest.raises(ValueError, match=r"reshard: rank 1 sent the round count .*, not an int from 1 to 8"):
         _agreed_rounds([1, bad, 2])
+
+
+class RowSplit(ShardingSpec):
+    """A user's spec class with a repr that says nothing of its value: rows [0, at) on the last rank, the rest on 0."""
+
+    def __init__(self, at: int, label: str = "RowSplit") -> None:
+        self.at, self.label = at, label
+
+    def __repr__(self) -> str:
+        return self.label
+
+    def build_metadata(self, tensor_sizes: Any, tensor_properties: Any = None) -> Any:
+        n, m = tensor_sizes
+        last = shardwise.get_default_group().size - 1
+        shards = [ShardMetadata([0, 0], [self.at, m], f"rank:{last}/cpu"),
+                  ShardMetadata([self.at, 0], [n - self.at, m], "rank:0/cpu")]
+        return EnumerableShardingSpec(shards).build_metadata(tensor_sizes, tensor_properties)
+
+
+def user_specs() -> dict[str, Any]:
+    """Specs of a user's class: compared by the layout they build, not by their repr."""
+    import os
+
+    from shardwise._tensor.scatter import shard_tensor
+
+    g = shardwise.get_default_group()
+    dense = _dense([8, 5], torch.float32)
+    rows = ChunkShardingSpec(0, _place(list(range(g.size))))
+    # A repr naming something of this process (an object's address would): the same layout everywhere.
+    own = RowSplit(3, f"RowSplit at pid {os.getpid()}")
+    st = make(dense, rows)
+    st.reshard(own)
+    check(st, dense, own, False, "reshard to a user's spec")
+    scattered = shard_tensor(dense, own, src_rank=0)
+    check(scattered, dense, own, False, "shard_tensor by a user's spec")
+    # One repr, two layouts: every rank raises before data moves.
+    differ = RowSplit(2 if g.rank == 0 else 5)
+    seen = {
+        "reshard": _outcome(lambda: make(dense, rows).reshard(differ)),
+        "shard_tensor": _outcome(lambda: shard_tensor(dense, differ, src_rank=0)),
+    }
+    st.reshard(rows)
+    check(st, dense, rows, False, "after the errors")
+    return seen
+
+
+def test_user_spec_classes_are_compared_by_the_layout_they_build() -> None:
+    for seen in _run(user_specs, 2):
+        assert seen["reshard"][0] == "ValueError", seen
+        assert "rank 0's RowSplit and rank 1's RowSplit cut the tensor into different shards" in seen["reshard"][1]
+        assert seen["shard_tensor"][0] == "ValueError", seen
+        assert "rank 0 and rank 1 passed specs that print alike (RowSplit) but differ" in seen["shard_tensor"][1]

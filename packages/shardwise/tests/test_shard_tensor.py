@@ -169,7 +169,7 @@ def bad_inputs() -> dict[str, tuple[str, str]]:
 
 # On every rank: (error type, fragment).
 EXPECTED_ALL = {
-    "spec_mismatch": ("ValueError", "ranks disagree on the sharding spec: rank 0 passed {'type': 'chunk', 'dim': 0"),
+    "spec_mismatch": ("ValueError", "ranks disagree on the sharding spec: rank 0 passed ChunkShardingSpec(dim=0"),
     "src_mismatch": ("ValueError", "ranks disagree on the src_rank: rank 0 passed 0, rank 1 passed 1"),
     "src_outside": ("ValueError", "src_rank=3 is not a rank of the group (size 3, ranks 0..2)"),
     "other_size": ("ValueError", "cannot shard a tensor of size [7, 5] with EnumerableShardingSpec"),
@@ -190,7 +190,7 @@ def test_bad_input_raises_on_every_rank() -> None:
     check_errors(results, EXPECTED_ALL, EXPECTED_ONE)
     for seen in results:
         assert "runs alone" not in seen["outside_group"][1]  # three ranks: the placement is simply wrong
-        assert "rank 2 passed {'type': 'chunk', 'dim': 1" in seen["spec_mismatch"][1]
+        assert "rank 2 passed ChunkShardingSpec(dim=1" in seen["spec_mismatch"][1]
         assert "ends at 8 in dim 0, outside the tensor of size [7, 5]" in seen["other_size"][1]
 
 

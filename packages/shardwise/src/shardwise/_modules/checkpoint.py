@@ -51,6 +51,8 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Optional, TypeVar, Union
 
+import torch
+
 from shardwise._comm.default_group import resolve_group
 from shardwise._comm.group import Group
 from shardwise._modules.optim_checkpoint import apply_loaded, empty_targets
@@ -307,7 +309,9 @@ def load_optimizer(optimizer: Any, path: PathLike, *, key: str = "optim", proces
             if len(where) == 4 and where[1] == "state":
                 saved.setdefault(str(where[2]), {})[str(where[3])] = spec
             elif len(where) == 4 and where[1] == "param_groups":
-                groups.setdefault(int(where[2]), {})[str(where[3])] = None
+                # A tensor hyperparameter (torch allows lr=torch.tensor(0.01)) needs a tensor to load into.
+                target = None if spec is None else torch.zeros(spec[0], dtype=spec[1])
+                groups.setdefault(int(where[2]), {})[str(where[3])] = target
         if not groups:
             raise KeyError(f"the checkpoint at {source} has no optimizer state under {key!r}")
         return {"state": empty_targets(optimizer, saved), "param_groups": [groups[i] for i in sorted(groups)]}

@@ -92,8 +92,10 @@ class ShardedOptimizer(optim.Optimizer):
         # wrapped optimizer owns the param groups and the state.
         self._keys: dict[int, str] = {}
         self._info: dict[str, dict[str, Any]] = {}
-        tensors = self._register(_named_items(named_params, 0))
+        items = _named_items(named_params, 0)
+        tensors = self._register(items)
         self.named_params = dict(named_params)
+        self._group_names = [[name for name, _ in items]]
         self._optim = optimizer_class(tensors, *optimizer_args, **optimizer_kwargs)
 
     def _register(self, items: list[tuple[str, Any]]) -> list[Tensor]:
@@ -148,6 +150,15 @@ class ShardedOptimizer(optim.Optimizer):
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         """One optimization step of every local tensor; returns the closure's loss, if any."""
         return self._optim.step(closure)
+
+    def group_param_names(self) -> list[list[str]]:
+        """The parameter names of each param group, the same on every rank.
+
+        The wrapped optimizer's groups hold only this rank's local shards,
+        so a parameter none of whose shards lives here is absent from them;
+        its name is still listed here, where it was given.
+        """
+        return [list(names) for names in self._group_names]
 
     def _index_keys(self) -> list[list[str]]:
         return [[self._keys[id(p)] for p in group["params"]] for group in self._optim.param_groups]
@@ -252,3 +263,4 @@ class ShardedOptimizer(optim.Optimizer):
             self._keys, self._info = saved_keys, saved_info
             raise
         self.named_params.update({name: value for name, value in items})
+        self._group_names.append([name for name, _ in items])

@@ -73,10 +73,12 @@ def optimizer_state(optimizer: ShardedOptimizer) -> dict[str, Any]:
             state[name] = entries
         elif name in by_key:
             state[name] = dict(by_key[name])
-    groups = []
-    for group in saved["param_groups"]:
-        names = list(dict.fromkeys(saved["params"][k]["param"] for k in group["params"]))
-        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": names})
+    # Names from the groups as given, not from the local shards: a rank holding no shard of a parameter
+    # must still list it, or the copy DCP keeps (one rank's) would depend on which rank wrote it.
+    groups = [
+        {**{k: v for k, v in group.items() if k != "params"}, "params": names}
+        for group, names in zip(saved["param_groups"], optimizer.group_param_names(), strict=True)
+    ]
     return {"state": state, "param_groups": groups}
 
 

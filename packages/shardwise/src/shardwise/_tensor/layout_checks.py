@@ -18,7 +18,16 @@ from shardwise._tensor.placements import validate_placements
 from shardwise._tensor.specs import ChunkShardingSpec, EnumerableShardingSpec, ShardingSpec
 from shardwise._vocab.metadata import Placement, ShardedTensorMetadata
 
-__all__ = ["SAME_TENSOR", "build_target", "check_same", "declared_placements", "layout_digest"]
+__all__ = [
+    "SAME_TENSOR",
+    "build_target",
+    "check_same",
+    "check_same_spec",
+    "declared_placements",
+    "layout_digest",
+    "spec_fingerprint",
+    "spec_text",
+]
 
 SAME_TENSOR = "every rank must call it on the same ShardedTensor (built with the same metadata)"
 
@@ -26,6 +35,41 @@ SAME_TENSOR = "every rank must call it on the same ShardedTensor (built with the
 def layout_digest(md: ShardedTensorMetadata) -> str:
     """A short digest of ``md`` (boxes, placements, size, properties) for ranks to compare."""
     return hashlib.sha256(json.dumps(md.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def spec_text(spec: Any, limit: int = 160) -> str:
+    """``spec``'s repr for an error message, cut to ``limit`` characters (a chunk spec of 4 096 ranks is long)."""
+    text = repr(spec)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def spec_fingerprint(spec: ShardingSpec) -> dict[str, str]:
+    """What ranks compare of a spec before its size is known: a digest of its value, and text for errors.
+
+    A built-in spec's :meth:`~ShardingSpec.to_dict` is its value, so its
+    digest compares it (a chunk spec of 4 096 placements in 16 bytes). A
+    spec of another class is known only by its ``repr``, which may name an
+    object's address (different in every process) or hide a difference:
+    only its class is compared here, and the caller compares the layout it
+    builds (:func:`layout_digest`) once the size is known.
+    """
+    value = spec.to_dict() if declared_placements(spec) is not None else {"type": type(spec).__qualname__}
+    digest = hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
+    return {"digest": digest, "text": spec_text(spec)}
+
+
+def check_same_spec(fingerprints: Sequence[dict[str, str]], hint: str) -> None:
+    """Raise ValueError naming rank 0's and the first differing rank's spec if their fingerprints differ."""
+    first = fingerprints[0]
+    # The ranks whose spec equals rank 0's print as rank 0's, so the message names the first that differs.
+    check_same([first["text"] if f["digest"] == first["digest"] else f["text"] for f in fingerprints],
+               "sharding spec", hint)
+    for r, fingerprint in enumerate(fingerprints):
+        if fingerprint["digest"] != first["digest"]:
+            raise ValueError(
+                f"ranks disagree on the sharding spec: rank 0 and rank {r} passed specs that print alike "
+                f"({fingerprint['text']}) but differ; {hint}"
+            )
 
 
 def check_same(values: Sequence[Any], what: str, hint: str) -> None:

@@ -6,18 +6,30 @@ each element once from its old owner to its new one
 (:func:`shardwise._layout.redistribute.redistribute`), in as many dim-0 slabs as keep
 every rank within twice its shard (:attr:`shardwise._layout.plan.TransferPlan.rounds`).
 The result lists its shards by rank, as torch 2.13's ``reshard`` does.
+
+The ranks compare the layout each built from its spec (a digest), not the
+specs themselves: a spec of a user's class is known only by its ``repr``,
+which may name an object's address (different in every process) or hide a
+difference, and a digest costs the same at 4 096 ranks as at 2.
+
+With grad mode on and a tensor that requires grad, the move is recorded by
+autograd as torch's reshard (an all-to-all of ``torch.distributed.nn``)
+records it: the new shards are not leaves, and their gradients travel back
+to the old shards by the reverse move, a collective every rank runs in its
+backward.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from shardwise._comm.group import Group
 from shardwise._layout.plan import MAX_ROUNDS
 from shardwise._layout.redistribute import match_sources, plan, redistribute
-from shardwise._tensor.layout_checks import SAME_TENSOR, build_target, check_same, layout_digest
+from shardwise._tensor.layout_checks import SAME_TENSOR, build_target, check_same, layout_digest, spec_text
 from shardwise._tensor.placements import check_local_devices
 from shardwise._tensor.specs import ShardingSpec
 from shardwise._vocab.metadata import ShardMetadata, ShardedTensorMetadata, TensorProperties
@@ -63,21 +75,29 @@ def reshard_shards(
     def check() -> dict[str, Any]:
         if not isinstance(spec, ShardingSpec):
             raise TypeError(f"reshard takes a ShardingSpec, got {type(spec).__name__}")
-        mine: dict[str, Any] = {"spec": spec.to_dict(), "layout": layout_digest(old)}
-        local["target"] = _in_rank_order(build_target(spec, old, group, "reshard"), old)
+        local["target"] = target = _in_rank_order(build_target(spec, old, group, "reshard"), old)
+        # Grad mode must be the same everywhere: with it, every rank's backward runs the reverse move.
+        local["grad"] = grad = torch.is_grad_enabled() and old.tensor_properties.requires_grad
+        mine: dict[str, Any] = {"target": layout_digest(target), "spec": spec_text(spec),
+                                "layout": layout_digest(old), "grad": grad}
         # Before any data moves: this rank's new shards must fit on devices it has.
-        check_local_devices((e.placement for e in local["target"].shards_metadata), group)
+        check_local_devices((e.placement for e in target.shards_metadata), group)
         local["have"] = match_sources(shards, old, group.global_rank)
         # Each rank's own need; the agreement makes every rank use the largest.
-        local["plan"] = pl = plan(old, local["target"], group.rank, group.size, group.global_to_group())
+        local["plan"] = pl = plan(old, target, group.rank, group.size, group.global_to_group())
         mine["rounds"] = pl.rounds
+        if grad:
+            local["back"] = back = plan(target, old, group.rank, group.size, group.global_to_group())
+            mine["back_rounds"] = back.rounds
         return mine
 
     entries = group.agree(check, op="reshard", gather=True)
     target: ShardedTensorMetadata = local["target"]
     have: dict[int, torch.Tensor] = local["have"]
-    check_same([e["spec"] for e in entries], "resharding spec", "every rank must reshard to the same spec")
+    _check_same_target(entries)
     check_same([e["layout"] for e in entries], "tensor's layout (digest of its metadata)", SAME_TENSOR)
+    check_same([e["grad"] for e in entries], "grad mode (grad enabled and the tensor requiring grad)",
+               "call reshard under torch.no_grad() on every rank or on none")
     rounds = _agreed_rounds([e.get("rounds") for e in entries])
     if target.shards_metadata == old.shards_metadata:
         # Same boxes on the same ranks: nothing moves, the shard tensors stay.
@@ -87,7 +107,82 @@ def reshard_shards(
             if e.rank == group.global_rank
         ]
         return target, kept
-    return target, redistribute(shards, old, target, group, trusted=True, rounds=rounds, planned=local["plan"])
+    if not local["grad"]:
+        return target, redistribute(shards, old, target, group, trusted=True, rounds=rounds, planned=local["plan"])
+    back_rounds = _agreed_rounds([e.get("back_rounds") for e in entries])
+
+    def there() -> list[Shard]:
+        return redistribute(shards, _no_grad(old), _no_grad(target), group, trusted=True, rounds=rounds,
+                            planned=local["plan"])
+
+    def back(grads: list[Shard]) -> list[Shard]:
+        return redistribute(grads, _no_grad(target), _no_grad(old), group, trusted=True, rounds=back_rounds,
+                            planned=local["back"])
+
+    return target, _moved_with_grad(shards, target, group.global_rank, there, back)
+
+
+def _check_same_target(entries: Sequence[dict[str, Any]]) -> None:
+    """Raise ValueError on every rank unless every rank's spec cut the tensor into the same shards."""
+    for r, entry in enumerate(entries):
+        if entry["target"] != entries[0]["target"]:
+            raise ValueError(
+                f"ranks disagree on the resharding spec: rank 0's {entries[0]['spec']} and rank {r}'s "
+                f"{entry['spec']} cut the tensor into different shards; every rank must reshard to the same spec"
+            )
+
+
+def _no_grad(md: ShardedTensorMetadata) -> ShardedTensorMetadata:
+    """``md`` whose targets are plain tensors: inside the autograd function, autograd links them itself."""
+    props = dataclasses.replace(md.tensor_properties, requires_grad=False)
+    return ShardedTensorMetadata(md.shards_metadata, md.size, props)
+
+
+_There = Callable[[], list[torch.Tensor]]
+_Back = Callable[[Sequence[Optional[torch.Tensor]]], list[torch.Tensor]]
+
+
+class _Moved(torch.autograd.Function):
+    """The local shards moved to their new layout; backward moves the gradients the other way.
+
+    ``anchor`` (an empty tensor that requires grad) puts the move in the
+    graph of a rank that holds no old shard but receives new ones.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, there: _There, back: _Back, anchor: torch.Tensor, *old: torch.Tensor) -> tuple[Any, ...]:
+        ctx.back = back
+        return tuple(there())
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
+        return (None, None, None, *ctx.back(grads))
+
+
+def _moved_with_grad(
+    shards: list[Shard],
+    target: ShardedTensorMetadata,
+    global_rank: int,
+    there: Callable[[], list[Shard]],
+    back: Callable[[list[Shard]], list[Shard]],
+) -> list[Shard]:
+    """:func:`redistribute` through :class:`_Moved`: this rank's new shards, linked to ``shards`` by autograd."""
+    mine = [e for e in target.shards_metadata if e.rank == global_rank]
+
+    def forward() -> list[torch.Tensor]:
+        return [shard.tensor for shard in there()]
+
+    def backward(grads: Sequence[Optional[torch.Tensor]]) -> list[torch.Tensor]:
+        filled = [
+            Shard(torch.zeros(e.shard_sizes, dtype=target.tensor_properties.dtype) if g is None else g.contiguous(), e)
+            for g, e in zip(grads, mine, strict=True)
+        ]
+        by_box = {(tuple(s.metadata.shard_offsets), tuple(s.metadata.shard_sizes)): s.tensor for s in back(filled)}
+        return [by_box[(tuple(s.metadata.shard_offsets), tuple(s.metadata.shard_sizes))] for s in shards]
+
+    anchor = torch.empty(0, requires_grad=True)
+    moved = _Moved.apply(forward, backward, anchor, *(s.tensor for s in shards))
+    return [Shard(t, e) for t, e in zip(moved, mine, strict=True)]
 
 
 def _in_rank_order(target: ShardedTensorMetadata, old: ShardedTensorMetadata) -> ShardedTensorMetadata:

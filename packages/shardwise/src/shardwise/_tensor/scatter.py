@@ -20,8 +20,15 @@ import torch
 from shardwise._comm.default_group import resolve_group
 from shardwise._comm.group import Group
 from shardwise._layout.redistribute import redistribute
-from shardwise._tensor.layout_checks import build_target, check_same, declared_placements
-from shardwise._tensor.placements import agree_on_local_devices, check_local_devices
+from shardwise._tensor.layout_checks import (
+    build_target,
+    check_same,
+    check_same_spec,
+    declared_placements,
+    layout_digest,
+    spec_fingerprint,
+)
+from shardwise._tensor.placements import check_local_devices
 from shardwise._tensor.sharded_tensor import ShardedTensor
 from shardwise._tensor.specs import ShardingSpec
 from shardwise._vocab.metadata import ShardMetadata, ShardedTensorMetadata, TensorProperties
@@ -53,7 +60,7 @@ def _local_payload(tensor: Any, spec: Any, src_rank: Any, group: Group) -> dict[
             f"input tensor on rank {group.rank} is not a contiguous Tensor (strides {tensor.stride()}); "
             "call .contiguous() first"
         )
-    payload: dict[str, Any] = {"src_rank": src_rank, "spec": spec.to_dict()}
+    payload: dict[str, Any] = {"src_rank": src_rank, "spec": spec_fingerprint(spec)}
     if group.rank == src_rank:
         props = TensorProperties.create_from_tensor(tensor)
         payload["tensor"] = {"size": list(tensor.size()), "props": props.to_dict()}
@@ -131,7 +138,7 @@ def scatter_tensor(
 
     entries = group.agree(check, op="shard_tensor", gather=True)
     check_same([e["src_rank"] for e in entries], "src_rank", "every rank must pass the same src_rank")
-    check_same([e["spec"] for e in entries], "sharding spec", "every rank must pass the same spec")
+    check_same_spec([e["spec"] for e in entries], "every rank must pass the same spec")
     info = entries[src_rank]["tensor"]
     size = torch.Size(info["size"])
     props = TensorProperties.from_dict(info["props"])
@@ -143,8 +150,19 @@ def scatter_tensor(
     target = build_target(sharding_spec, whole, group, "shard")
     if not all(e.get("devices_checked") is True for e in entries):
         # A spec only its metadata places (a user's spec class): now that the size is known, a second
-        # agreement on the devices, decided from agreed data so every rank joins it or none.
-        agree_on_local_devices([e.placement for e in target.shards_metadata], group, "shard_tensor")
+        # agreement, decided from agreed data so every rank joins it or none, on the devices and on the
+        # layout the spec builds (its repr alone cannot tell two such specs apart).
+        def check_target() -> str:
+            check_local_devices([e.placement for e in target.shards_metadata], group)
+            return layout_digest(target)
+
+        built = group.agree(check_target, op="shard_tensor", gather=True)
+        if len(set(built)) > 1:
+            texts = [entry["spec"]["text"] for entry in entries]
+            check_same_spec(
+                [{"digest": digest, "text": text} for digest, text in zip(built, texts, strict=True)],
+                "every rank must pass the same spec",
+            )
     mine = [Shard(tensor, whole.shards_metadata[0])] if group.rank == src_rank else []
     shards = redistribute(mine, whole, target, group, trusted=True)
     return ShardedTensor._create(sharding_spec, target, shards, group)
