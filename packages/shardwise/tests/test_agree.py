@@ -203,3 +203,28 @@ class _GroupForLabels(shardwise.Group):
 
     def _new_group(self, ranks: Any) -> Any:
         raise NotImplementedError
+
+
+def gather_and_scatter_json() -> dict[str, Any]:
+    g = shardwise.get_default_group()
+    r = g.rank
+    seen: dict[str, Any] = {}
+    seen["gathered"] = g.gather_json({"rank": r, "big": "z" * (6000 if r == 1 else 0)}, dst=1)
+    seen["empty"] = g.gather_json("", dst=0)
+    seen["scattered"] = g.scatter_json([{"to": k, "t": (k, "x")} for k in range(g.size)] if r == 2 else None, src=2)
+    seen["short"] = outcome(lambda: g.scatter_json([1] if r == 0 else None, src=0, op="my_op"))
+    seen["unsafe"] = outcome(lambda: g.gather_json(object() if r == 1 else 1, dst=0, op="my_op"))
+    seen["after"] = g.gather_json(r, dst=0)
+    return seen
+
+
+def test_gather_json_and_scatter_json_reach_only_their_rank() -> None:
+    for r, seen in enumerate(_run(gather_and_scatter_json, 3)):
+        expected = [{"rank": k, "big": "z" * (6000 if k == 1 else 0)} for k in range(3)]
+        assert seen["gathered"] == (expected if r == 1 else None), seen
+        assert seen["empty"] == (["", "", ""] if r == 0 else None)
+        assert seen["scattered"] == {"to": r, "t": [r, "x"]}
+        assert seen["short"][0] == ("ValueError" if r == 0 else "PeerError"), seen
+        assert "must pass one object per rank (3), got 1 object(s)" in seen["short"][1] or r != 0
+        assert seen["unsafe"][0] == ("TypeError" if r == 1 else "PeerError"), seen
+        assert seen["after"] == ([0, 1, 2] if r == 0 else None)

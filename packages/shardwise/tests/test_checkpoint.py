@@ -366,3 +366,79 @@ def test_leftovers_are_matched_by_exact_name_never_another_checkpoints(tmp_path:
         (tmp_path / name).mkdir()
     found = sorted(p.name for p in _siblings(tmp_path / "ckpt[1]", "saving") + _siblings(tmp_path / "ckpt[1]", "old"))
     assert found == sorted(mine)
+
+
+def edge_cases_rank(root: str) -> dict[str, Any]:
+    """Each case a reviewer broke: a tensor of no element, a torch 2.3 save, the dtype's kind, paths per rank."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import _version
+
+    group = shardwise.get_default_group()
+    w, r = group.size, group.rank
+    places = [f"rank:{k}/cpu" for k in range(w)]
+    seen: dict[str, Any] = {}
+    # A ShardedTensor of no element is in the checkpoint (it was left out), for shardwise and for dcp.load.
+    ckpt.save({"empty": _sharded(torch.zeros(0, 4), ChunkShardingSpec(0, places)), "x": torch.ones(2)}, f"{root}/zero")
+    target = {"empty": _sharded(torch.zeros(0, 4), ChunkShardingSpec(1, places)), "x": torch.zeros(2)}
+    seen["zero"] = outcome(lambda: ckpt.load(target, f"{root}/zero"))
+    seen["zero_dcp"] = outcome(lambda: dcp.load({"empty": target["empty"], "x": torch.zeros(2)},
+                                                checkpoint_id=f"{root}/zero"))
+    # Saved with torch 2.3's flattening (a dict of plain values is one entry): loads as with dcp.load.
+    if r == 0:
+        _version._derived_version = "2_3"
+        try:
+            dcp.save({"w": torch.arange(4.0), "extra": {"epoch": 3, "tag": "x"}}, checkpoint_id=f"{root}/v23",
+                     no_dist=True)
+        finally:
+            _version._derived_version = None
+    group.barrier()
+    old = {"w": torch.zeros(4), "extra": {"epoch": 0, "tag": ""}}
+    seen["v23"] = (outcome(lambda: ckpt.load(old, f"{root}/v23")), old["w"].tolist(), old["extra"])
+    # Another kind of number is refused on every rank before any value is read; a narrower float is not.
+    ckpt.save({"w": WEIGHT + 0.5}, f"{root}/kinds")
+    seen["to_int"] = outcome(lambda: ckpt.load({"w": torch.zeros(9, 4, dtype=torch.int64)}, f"{root}/kinds"))
+    half = {"w": torch.zeros(9, 4, dtype=torch.bfloat16)}
+    seen["to_bf16"] = (outcome(lambda: ckpt.load(half, f"{root}/kinds")), torch.equal(half["w"], (WEIGHT + 0.5).bfloat16()))
+    # Each rank given its own path: refused on every rank, nothing left behind.
+    seen["paths"] = outcome(lambda: ckpt.save({"x": torch.ones(2)}, f"{root}/per_rank{r}"))
+    # Loading two different checkpoints on two ranks: refused on every rank.
+    ckpt.save({"x": torch.ones(2)}, f"{root}/first")
+    ckpt.save({"x": torch.ones(2)}, f"{root}/second")
+    seen["two_checkpoints"] = outcome(lambda: ckpt.load({"x": torch.zeros(2)}, f"{root}/{'first' if r == 0 else 'second'}"))
+    # A save over a plain file replaces it and leaves no copy of it beside the checkpoint.
+    if r == 0:
+        Path(root, "was_a_file").write_text("old")
+    group.barrier()
+    ckpt.save({"x": torch.ones(2)}, f"{root}/was_a_file")
+    seen["listing"] = sorted(os.listdir(root))
+    return seen
+
+
+def test_checkpoint_edge_cases_a_review_found(tmp_path: Path) -> None:
+    for r, seen in enumerate(_run(edge_cases_rank, 2, str(tmp_path))):
+        assert seen["zero"] == ("ok", "") and seen["zero_dcp"] == ("ok", ""), seen
+        assert seen["v23"] == (("ok", ""), [0.0, 1.0, 2.0, 3.0], {"epoch": 3, "tag": "x"}), seen
+        assert seen["to_int"][0] == "ValueError", seen
+        assert "'w' was saved as torch.float32 and cannot be loaded into a torch.int64 tensor" in seen["to_int"][1]
+        assert seen["to_bf16"] == (("ok", ""), True), seen
+        if r == 1:
+            assert seen["paths"][0] == "ValueError", seen
+            assert "rank 1 does not see the directory rank 0 is saving into" in seen["paths"][1], seen
+        else:
+            assert seen["paths"][0] == "PeerError", seen
+        assert seen["two_checkpoints"][0] == "ValueError", seen
+        assert "ranks are loading different checkpoints" in seen["two_checkpoints"][1], seen
+        assert seen["listing"] == ["first", "kinds", "second", "v23", "was_a_file", "zero"], seen
+
+
+def test_metadata_pickled_by_python_3_13_names_its_paths_in_pathlib_local() -> None:
+    import io
+    import pathlib
+    import pickle
+
+    from shardwise._modules.safe_load import load_metadata
+
+    data = pickle.dumps(pathlib.PurePosixPath("/ckpt/c"), protocol=4)
+    moved = data.replace(b"\x8c\x07pathlib", b"\x8c\x0epathlib._local")
+    assert moved != data
+    assert load_metadata(io.BytesIO(moved), "test") == pathlib.PurePosixPath("/ckpt/c")

@@ -164,6 +164,11 @@ def _stopping_async(method: Callable[[Group], None], *, drain: bool) -> Callable
     return run
 
 
+
+def _byte_tensor(data: bytes) -> torch.Tensor:
+    """``data`` as a 1-D uint8 tensor (a copy: ``frombuffer`` needs a writable buffer)."""
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+
 class Group(abc.ABC):
     """A set of ranks that run collectives together.
 
@@ -786,6 +791,61 @@ class Group(abc.ABC):
                 raise :class:`PeerError`, and nothing is sent).
         """
         return self.agree(lambda: obj, op=op or "all_gather_json", gather=True)
+
+    def gather_json(self, obj: Any, dst: int = 0, *, op: Optional[str] = None) -> Optional[list[Any]]:
+        """Gather a JSON-safe object from every rank on ``dst`` only (a save's plans, not tensor data).
+
+        As :meth:`all_gather_json`, but only ``dst`` receives: what a
+        coordinator collects from every rank (DCP's plans) costs each other
+        rank its own part, not the whole group's. One agreement, then one
+        :meth:`gather` of the encoded bytes.
+
+        Args:
+            obj: What this rank contributes.
+            dst: The receiving rank.
+            op: The API call this belongs to, named in the peers' :class:`PeerError`.
+
+        Returns:
+            On ``dst``, ``[obj_of_rank_0, obj_of_rank_1, ...]``; None elsewhere.
+
+        Raises:
+            TypeError: ``obj`` is not JSON-safe (on this rank; the others
+                raise :class:`PeerError`, and nothing is sent).
+        """
+        data: bytes = self.agree(lambda: _wire.encode_json(obj), op=op or "gather_json")
+        parts = self.gather(_byte_tensor(data), dst)
+        if parts is None:
+            return None
+        return [_wire.decode_json(part.cpu().numpy().tobytes(), f"rank {r}") for r, part in enumerate(parts)]
+
+    def scatter_json(self, objs: Optional[Sequence[Any]], src: int = 0, *, op: Optional[str] = None) -> Any:
+        """Send ``objs[r]`` (JSON-safe) from ``src`` to rank r: a coordinator's answer to each rank.
+
+        Args:
+            objs: On ``src``, one object per rank; ignored elsewhere (pass None).
+            src: The sending rank.
+            op: The API call this belongs to, named in the peers' :class:`PeerError`.
+
+        Returns:
+            This rank's object.
+
+        Raises:
+            ValueError: ``src`` passed other than one object per rank (on
+                ``src``; the others raise :class:`PeerError`).
+            TypeError: an object is not JSON-safe (on ``src``; likewise).
+        """
+
+        def encode() -> Optional[list[bytes]]:
+            if self.rank != src:
+                return None
+            if objs is None or len(objs) != self.size:
+                got = "None" if objs is None else f"{len(objs)} object(s)"
+                raise ValueError(f"scatter_json: rank {src} must pass one object per rank ({self.size}), got {got}")
+            return [_wire.encode_json(obj) for obj in objs]
+
+        encoded = self.agree(encode, op=op or "scatter_json")
+        piece = self.scatter(None if encoded is None else [_byte_tensor(data) for data in encoded], src)
+        return _wire.decode_json(piece.cpu().numpy().tobytes(), f"rank {src}")
 
     def exchange(self, obj: Any, *, op: Optional[str] = None) -> list[Any]:
         """Alias of :meth:`all_gather_json` (the name ``DESIGN.md`` uses): a JSON all-gather, not a data exchange."""

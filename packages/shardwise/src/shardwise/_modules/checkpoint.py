@@ -109,34 +109,51 @@ def save(state_dict: dict[str, Any], path: PathLike, *, process_group: Any = Non
     planner = DefaultSavePlanner()
     writer = FileSystemWriter(staging)
     try:
+        # Rank 0 makes the directory every rank then checks it sees: a rank given another path (a relative
+        # one from another working directory) or a file system the others do not share would otherwise
+        # write its part elsewhere, and the checkpoint would lack it.
+        _coordinator_only(group, "creating the directory", lambda: staging.mkdir(parents=True))
+
         def local_plan() -> dict[str, Any]:
-            staging.parent.mkdir(parents=True, exist_ok=True)
-            planner.set_up_planner(state_dict=state_dict, storage_meta=writer.storage_meta(),
-                                   is_coordinator=coordinator)
+            if not staging.is_dir():
+                raise ValueError(
+                    f"rank {group.rank} does not see the directory rank 0 is saving into: this rank's path is "
+                    f"{target}; every rank must pass the same checkpoint path, on a file system all ranks share"
+                )
+            meta = writer.storage_meta()
+            if meta is not None:
+                # The checkpoint's name is where it will be, not the staging directory renamed at the end.
+                meta.checkpoint_id = target
+            planner.set_up_planner(state_dict=state_dict, storage_meta=meta, is_coordinator=coordinator)
             writer.set_up_storage_writer(coordinator, rank=group.rank, use_collectives=True)
             return codec.encode_plan(writer.prepare_local_plan(planner.create_local_plan()))
 
-        plans = group.exchange(_together(group, "planning", local_plan))
+        # As DCP: the coordinator alone receives every rank's plan and results, and sends each rank its
+        # own final plan (an all-gather would hand every rank every plan: O(ranks x plans) each).
+        plans = group.gather_json(_together(group, "planning", local_plan), 0, op="checkpoint planning")
         metadata: list[Any] = []
 
         def global_plan() -> list[dict[str, Any]]:
+            assert plans is not None
             central, meta = planner.create_global_plan([codec.decode_plan(p) for p in plans])
             metadata.append(meta)
             return [codec.encode_plan(p) for p in writer.prepare_global_plan(central)]
 
-        central = group.exchange(_coordinator_only(group, "planning", global_plan))[0]
+        mine = group.scatter_json(_coordinator_only(group, "planning", global_plan), 0, op="checkpoint planning")
 
         def write() -> list[dict[str, Any]]:
-            final = planner.finish_plan(codec.decode_plan(central[group.rank]))
+            final = planner.finish_plan(codec.decode_plan(mine))
             written = writer.write_data(final, planner)
             written.wait()
             return codec.encode_results(written.value())
 
-        results = group.exchange(_together(group, "writing", write))
-        _coordinator_only(
-            group, "metadata",
-            lambda: writer.finish(metadata=metadata[0], results=[codec.decode_results(r) for r in results]),
-        )
+        results = group.gather_json(_together(group, "writing", write), 0, op="checkpoint writing")
+
+        def finish() -> None:
+            assert results is not None
+            writer.finish(metadata=metadata[0], results=[codec.decode_results(r) for r in results])
+
+        _coordinator_only(group, "metadata", finish)
         _coordinator_only(group, "replacing the old checkpoint", lambda: _replace(staging, target, token))
     except BaseException:
         if coordinator:
@@ -158,9 +175,20 @@ def _replace(staging: Path, target: Path, token: str) -> None:
         os.replace(target, old)
         # Between these two renames ``target`` is briefly missing; load() then finds the old copy.
         os.replace(staging, target)
-        shutil.rmtree(old, ignore_errors=True)
+        _remove(old)
     for leftover in _siblings(target, "saving") + _siblings(target, "old"):
-        shutil.rmtree(leftover, ignore_errors=True)
+        _remove(leftover)
+
+
+def _remove(path: Path) -> None:
+    """Remove a directory tree, or the plain file a save replaced (``rmtree`` leaves a file where it was)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
 
 
 def _siblings(target: Path, kind: str) -> list[Path]:
@@ -203,8 +231,11 @@ def load(state_dict: dict[str, Any], path: PathLike, *, process_group: Any = Non
     Raises:
         PeerError: loading failed on another rank.
         FileNotFoundError: no checkpoint at ``path``.
-        ValueError: a tensor's global size differs from the saved one, or
-            a key is missing from the checkpoint (naming every such key).
+        ValueError: a tensor's global size differs from the saved one, its
+            dtype is of another kind than the saved one (float into an
+            integer or bool tensor, complex into a real one:
+            ``torch.can_cast`` refuses; DCP itself would copy and truncate),
+            or a key is missing from the checkpoint (naming every such key).
     """
     group = resolve_group(process_group)
     source = Path(os.fspath(path)).absolute()
@@ -212,7 +243,9 @@ def load(state_dict: dict[str, Any], path: PathLike, *, process_group: Any = Non
     planner = safe_planner()
     reader: list[Any] = []
 
-    def plan() -> Any:
+    planned: list[Any] = []
+
+    def plan() -> Optional[str]:
         reader.append(safe_reader(_readable(source)))
         metadata = reader[0].read_metadata()
         planner.set_up_planner(state_dict, metadata, coordinator)
@@ -220,9 +253,19 @@ def load(state_dict: dict[str, Any], path: PathLike, *, process_group: Any = Non
         reader[0].set_up_storage_reader(metadata, coordinator, rank=group.rank, use_collectives=True)
         local = reader[0].prepare_local_plan(planner.create_local_plan())
         # The default planner and reader make no global decisions: each rank's plan stands alone.
-        return reader[0].prepare_global_plan(planner.create_global_plan([local]))[0]
+        planned.append(reader[0].prepare_global_plan(planner.create_global_plan([local]))[0])
+        saved = getattr(metadata, "storage_meta", None)
+        return None if saved is None else saved.save_id
 
-    central = _together(group, "planning", plan)
+    saves = group.agree(plan, op="checkpoint planning", gather=True)
+    if len(set(saves)) > 1:
+        # Ranks given different paths would fill one state dict from several checkpoints.
+        differ = next(r for r, save in enumerate(saves) if save != saves[0])
+        raise ValueError(
+            f"ranks are loading different checkpoints: rank 0's (save {saves[0]}) and rank {differ}'s (save "
+            f"{saves[differ]}, from {source} there); every rank must pass the same checkpoint path"
+        )
+    central = planned[0]
 
     def read() -> None:
         reader[0].read_data(planner.finish_plan(central), planner).wait()
@@ -231,14 +274,15 @@ def load(state_dict: dict[str, Any], path: PathLike, *, process_group: Any = Non
 
 
 def _check_against(flat: dict[str, Any], metadata: Any, source: Path) -> None:
-    """Raise unless the checkpoint has every key of ``flat`` (the planner's flattened state dict) at its size.
+    """Raise unless the checkpoint has every key of ``flat`` (the planner's flattened state dict) at its size and kind.
 
     DCP's planner finds these problems too, but one at a time and a
     missing key as a RuntimeError; this names every one, as a ValueError.
 
     Raises:
         ValueError: keys the checkpoint lacks (listing what it holds) or
-            holds with another global size (naming both sizes).
+            holds with another global size (naming both sizes) or a dtype
+            that ``torch.can_cast`` refuses to cast to the target's.
     """
     # torch.distributed.checkpoint is heavy to import; only a save or a load needs it.
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -253,9 +297,17 @@ def _check_against(flat: dict[str, Any], metadata: Any, source: Path) -> None:
     for key, value in flat.items():
         entry = saved.get(key)
         size = getattr(value, "size", None)
-        if isinstance(entry, TensorStorageMetadata) and callable(size) and list(entry.size) != list(size()):
+        if not isinstance(entry, TensorStorageMetadata) or not callable(size):
+            continue
+        if list(entry.size) != list(size()):
             problems.append(f"{key!r} was saved with size {list(entry.size)} but the tensor to load into has size "
                             f"{list(size())}")
+        dtype = getattr(value, "dtype", None)
+        if isinstance(dtype, torch.dtype) and not torch.can_cast(entry.properties.dtype, dtype):
+            # DCP would copy_ the values across kinds (float to int truncates, complex to real drops a part).
+            problems.append(f"{key!r} was saved as {entry.properties.dtype} and cannot be loaded into a "
+                            f"{dtype} tensor without changing its kind of number (torch.can_cast refuses); load it "
+                            "into a tensor of the saved dtype and convert it after")
     if problems:
         raise ValueError(f"cannot load the checkpoint at {source} into this state_dict: {'; '.join(problems)}")
 

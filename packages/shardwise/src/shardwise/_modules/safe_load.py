@@ -18,6 +18,7 @@ loads. shardwise reads both restricted:
 from __future__ import annotations
 
 import io
+import pathlib
 import pickle
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,9 @@ _ALLOWED = {
     ("builtins", "frozenset"),
 }
 
+#: Where Python 3.13 and later define the path classes (pickles name them there).
+_PATH_MODULES = ("pathlib._local", "pathlib._abc")
+
 
 class _MetadataUnpickler(pickle.Unpickler):
     def __init__(self, file: Any, source: str) -> None:
@@ -55,6 +59,9 @@ class _MetadataUnpickler(pickle.Unpickler):
         self._source = source
 
     def find_class(self, module: str, name: str) -> Any:
+        if module in _PATH_MODULES and ("pathlib", name) in _ALLOWED:
+            # Python 3.13 pickles paths under the private module that now defines them; any Python reads them.
+            return getattr(pathlib, name)
         if (module, name) in _ALLOWED:
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.memory_format)):
@@ -107,19 +114,30 @@ def safe_planner() -> Any:
     from torch.distributed.checkpoint._traverse import set_element
 
     class _SafePlanner(DefaultLoadPlanner):
-        def create_local_plan(self) -> Any:
-            """As ``DefaultLoadPlanner``'s, its reads found by :func:`~shardwise._modules.load_plan.local_load_plan`."""
-            if self.metadata is None:
-                raise AssertionError("the planner was not set up with the checkpoint's metadata")
-            if self.flatten_state_dict:
+        def set_up_planner(self, state_dict: Any, metadata: Any = None, is_coordinator: bool = False) -> None:
+            """As ``DefaultLoadPlanner``'s, the flattening of a checkpoint saved before torch 2.4 chosen here.
+
+            torch 2.13 chooses it in ``create_local_plan``; here the keys
+            are final when set-up ends, so the check of every key against
+            the checkpoint (before planning) sees the names the load uses.
+            """
+            super().set_up_planner(state_dict, metadata, is_coordinator)
+            if self.flatten_state_dict and self.metadata is not None:
                 # As torch 2.13: keys missing under the current flattening may be a checkpoint saved before 2.4.
                 missing = set(self.metadata.state_dict_metadata) - set(self.state_dict)
                 if missing:
                     _version._derived_version = "2_3"
-                    old_state_dict, old_mappings = flatten_state_dict(self.original_state_dict)
+                    try:
+                        old_state_dict, old_mappings = flatten_state_dict(self.original_state_dict)
+                    finally:
+                        _version._derived_version = None
                     if set(old_state_dict) & missing:
                         self.state_dict, self.mappings = old_state_dict, old_mappings
-                    _version._derived_version = None
+
+        def create_local_plan(self) -> Any:
+            """As ``DefaultLoadPlanner``'s, its reads found by :func:`~shardwise._modules.load_plan.local_load_plan`."""
+            if self.metadata is None:
+                raise AssertionError("the planner was not set up with the checkpoint's metadata")
             return local_load_plan(self.state_dict, self.metadata, not self.allow_partial_load)
 
         def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:

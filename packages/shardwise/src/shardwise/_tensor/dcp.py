@@ -9,7 +9,10 @@ with ``copy_``, so it must be the local shard itself, never a copy.
 
 Empty shards (trailing chunks of a ``ChunkShardingSpec``) hold no data and
 are left out: DCP requires the saved chunks to cover the tensor exactly,
-which they still do.
+which they still do. A tensor with no element at all is the exception: it is
+saved through its empty shards (one per box; DCP keeps one copy of a box
+several ranks write), as torch's ShardedTensor saves it, or it would be
+missing from the checkpoint.
 
 A local shard may itself be a ShardedTensor (FSDP chunks nested in a
 tensor-parallel shard, see shardwise-fsdp): its own local shards are the
@@ -62,13 +65,20 @@ def _chunk(leaf: Leaf) -> Any:
 
 
 def write_items(shards: Sequence[Shard], size: Sequence[int], fqn: str) -> list[Any]:
-    """One ``WriteItem`` (type SHARD) per non-empty local shard, stored under ``fqn``; ``size`` is the global size."""
+    """One ``WriteItem`` (type SHARD) per non-empty local shard, stored under ``fqn``; ``size`` is the global size.
+
+    A tensor of no element gets one item per distinct empty box instead.
+    """
     # torch.distributed.checkpoint is heavy to import; only a checkpoint save or load needs it.
     from torch.distributed.checkpoint.metadata import MetadataIndex, TensorProperties
     from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+    held = _filled(shards)
+    if not held and any(n == 0 for n in size):
+        # Nothing to write, but the key must be in the checkpoint: its empty boxes stand for it.
+        held = list({(tuple(leaf.offsets), tuple(leaf.sizes)): leaf for leaf in leaves(shards)}.values())
     items = []
-    for leaf in _filled(shards):
+    for leaf in held:
         chunk = _chunk(leaf)
         items.append(
             WriteItem(
