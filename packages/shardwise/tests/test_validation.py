@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Optional
+import re
+from typing import Any, Optional
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardwise._vocab import validation as _validation
+from shardwise._vocab import validation_sweep as _sweeps
 from shardwise._vocab.metadata import ShardMetadata
 from shardwise._vocab.validation import check_covering, find_overlap, validate_layout, validate_non_overlapping
 
@@ -175,3 +177,108 @@ def test_many_column_shards_validate() -> None:
     shards.append(ShardMetadata([1, n - 1], [1, 1], "rank:0/cpu"))
     with pytest.raises(ValueError, match=f"shards {n - 1} .* and {n} .* overlap"):
         validate_non_overlapping(shards)
+
+
+# -- the sweeps of validation_sweep, each forced on small layouts ------------------------------
+
+
+def _staggered(columns: int, ndim: int) -> tuple[list[ShardMetadata], list[int]]:
+    """Each column (one cell in dims 1..ndim-1) split in two along dim 0 at its own row: a tiling."""
+    side = round(columns ** (1 / (ndim - 1)))
+    length = side ** (ndim - 1) + 1
+    shards = []
+    for n, cell in enumerate(itertools.product(range(side), repeat=ndim - 1)):
+        cut = 1 + n
+        shards.append(ShardMetadata([0, *cell], [cut, *[1] * len(cell)], "rank:0/cpu"))
+        shards.append(ShardMetadata([cut, *cell], [length - cut, *[1] * len(cell)], "rank:1/cpu"))
+    return shards, [length, *[side] * (ndim - 1)]
+
+
+@pytest.mark.parametrize("ndim", [2, 3, 4])
+def test_staggered_splits_with_a_gap_or_an_overlap(ndim: int) -> None:
+    # Past the tiling test these reach the blocked 2-D sweep and the projected-cell sweep.
+    shards, size = _staggered(400, ndim)
+    validate_layout(shards, size)
+    validate_non_overlapping(shards[1:])  # a gap, no overlap
+    with pytest.raises(ValueError, match="do not cover"):
+        validate_layout(shards[1:], size)
+    middle = [size[0] // 2, *[s // 2 for s in size[1:]]]
+    extra = [*shards, ShardMetadata(middle, [1] * ndim, "rank:2/cpu")]
+    with pytest.raises(ValueError, match=re.escape(f"and {len(shards)} (offsets={middle} ")):
+        validate_non_overlapping(extra)
+    assert find_overlap(extra, _validation._Columns(extra)) is not None
+
+
+@st.composite
+def _columns(draw: st.DrawFn) -> tuple[list[list[int]], list[list[int]]]:
+    """Small random non-empty boxes as columns (starts and sizes by dim), 2 to 4 dims."""
+    ndim, n = draw(st.integers(2, 4)), draw(st.integers(1, 14))
+    starts = [draw(st.lists(st.integers(0, 6), min_size=n, max_size=n)) for _ in range(ndim)]
+    sizes = [draw(st.lists(st.integers(1, 4), min_size=n, max_size=n)) for _ in range(ndim)]
+    return starts, sizes
+
+
+def _pair_overlaps(starts: list[list[int]], sizes: list[list[int]], pair: tuple[int, int]) -> bool:
+    i, j = pair
+    return i != j and all(s[i] < s[j] + z[j] and s[j] < s[i] + z[i] for s, z in zip(starts, sizes, strict=True))
+
+
+@settings(max_examples=400, deadline=None)
+@given(_columns())
+def test_each_sweep_matches_every_pair_compared(columns: tuple[list[list[int]], list[list[int]]]) -> None:
+    starts, sizes = columns
+    n = len(starts[0])
+    expected = any(_pair_overlaps(starts, sizes, (i, j)) for i in range(n) for j in range(i + 1, n))
+    results: list[Optional[tuple[int, int]]] = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_sweeps, "_BLOCK", 1)  # blocks split and empty all the time
+        for a in range(len(starts)):
+            results.append(_sweeps.pairwise_sweep(starts, sizes, a))
+            if len(starts) == 2:
+                results.append(_sweeps.two_dims(starts, sizes, a))
+        # A budget of n allows grids' one cell a shard only; 0 forces the projected sweep or nothing.
+        for budget in (10**6, n, 0):
+            try:
+                results.append(_sweeps.many_dims(starts, sizes, budget, 0))
+            except OverflowError:
+                pass
+    for pair in results:
+        assert (pair is not None) == expected, (pair, starts, sizes)
+        if pair is not None:
+            assert _pair_overlaps(starts, sizes, pair)
+
+
+def test_projected_sweep_runs_where_all_cells_would_not_fit() -> None:
+    # Staggered in 3-D: about n/2 cells a shard in all dims, one in the projection along dim 0.
+    shards, _ = _staggered(100, 3)
+    starts = [[s.shard_offsets[d] for s in shards] for d in range(3)]
+    sizes = [[s.shard_sizes[d] for s in shards] for d in range(3)]
+    assert _sweeps.many_dims(starts, sizes, 2 * len(shards), 0) is None
+    sizes[0][0] += 1  # now it reaches the next shard of its column
+    assert _sweeps.many_dims(starts, sizes, 2 * len(shards), 0) == (0, 1)
+
+
+def test_torchs_shard_metadata_gets_value_errors_and_enumerable_specs() -> None:
+    # Code written for torch passes torch's own ShardMetadata (no describe method) to the torch-named helpers.
+    from torch.distributed._shard.metadata import ShardMetadata as TorchShardMetadata
+
+    from shardwise.sharding_spec import EnumerableShardingSpec
+    from shardwise.sharding_spec._internals import check_tensor, validate_non_overlapping_shards_metadata
+
+    # Any: the helpers are typed for shardwise's class; torch's is accepted as torch's helpers accept it.
+    a: Any = TorchShardMetadata([0, 0], [2, 2], "rank:0/cpu")
+    b: Any = TorchShardMetadata([2, 0], [2, 2], "rank:1/cpu")
+    other: Any = TorchShardMetadata([1, 1], [2, 2], "rank:1/cpu")
+    validate_non_overlapping_shards_metadata([a, b])
+    check_tensor([a, b], [4, 2])
+    with pytest.raises(ValueError, match=r"shards 0 \(offsets=\[0, 0\] sizes=\[2, 2\] on rank:0/cpu\).*overlap"):
+        validate_non_overlapping_shards_metadata([a, other])
+    with pytest.raises(ValueError, match="do not cover"):
+        check_tensor([a, b], [5, 2])
+    with pytest.raises(ValueError, match="outside the tensor"):
+        check_tensor([a, b], [3, 2])
+    spec = EnumerableShardingSpec([a, b])
+    assert all(isinstance(s, ShardMetadata) for s in spec.shards)
+    assert [s.describe() for s in spec.shards] == ["offsets=[0, 0] sizes=[2, 2] on rank:0/cpu", _validation.describe(b)]
+    with pytest.raises(ValueError, match="overlap"):
+        EnumerableShardingSpec([a, other])

@@ -235,6 +235,22 @@ class ChunkShardingSpec(ShardingSpec):
         return {"type": "chunk", "dim": self.dim, "placements": [str(p) for p in self.placements]}
 
 
+def _own_metadata(shard: Any, i: int) -> ShardMetadata:
+    """``shard`` as shardwise's ShardMetadata; torch's own (code written for torch passes it) is converted.
+
+    Raises:
+        TypeError: ``shard`` is neither.
+    """
+    if isinstance(shard, ShardMetadata):
+        return shard
+    # Imported only here: torch's _shard package is needed only when code hands over one of its objects.
+    from torch.distributed._shard.metadata import ShardMetadata as TorchShardMetadata
+
+    if not isinstance(shard, TorchShardMetadata):
+        raise TypeError(f"shard {i} must be a ShardMetadata, got {type(shard).__name__}")
+    return ShardMetadata(shard.shard_offsets, shard.shard_sizes, shard.placement)
+
+
 def _checked_shards(values: Sequence[ShardMetadata]) -> list[ShardMetadata]:
     """``values`` as a list, checked as :class:`EnumerableShardingSpec` requires."""
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
@@ -242,9 +258,7 @@ def _checked_shards(values: Sequence[ShardMetadata]) -> list[ShardMetadata]:
     shards = list(values)
     if not shards:
         raise ValueError("EnumerableShardingSpec needs at least one shard (Empty shard list provided)")
-    for i, shard in enumerate(shards):
-        if not isinstance(shard, ShardMetadata):
-            raise TypeError(f"shard {i} must be a ShardMetadata, got {type(shard).__name__}")
+    shards = [_own_metadata(shard, i) for i, shard in enumerate(shards)]
     ndim = len(shards[0].shard_offsets)
     for i, shard in enumerate(shards):
         if len(shard.shard_offsets) != ndim:
@@ -358,10 +372,7 @@ def infer_sharding_spec(
         ValueError: there are no shards, or they overlap or differ in
             their number of dimensions (as :class:`EnumerableShardingSpec`).
     """
-    shards = list(shards_metadata)
-    for i, shard in enumerate(shards):
-        if not isinstance(shard, ShardMetadata):
-            raise TypeError(f"shard {i} must be a ShardMetadata, got {type(shard).__name__}")
+    shards = [_own_metadata(shard, i) for i, shard in enumerate(shards_metadata)]
     if not shards or any(s.placement is None for s in shards):
         return EnumerableShardingSpec(shards)
     ndim = len(shards[0].shard_offsets)

@@ -1,43 +1,57 @@
-"""Checks that shards neither overlap nor leave gaps, in O(n log n) comparisons for n shards.
+"""Checks that shards neither overlap nor leave gaps, in O(n log n) comparisons for n shards in practice.
 
 ``validate_non_overlapping`` looks only at the dimensions along which the
-shards actually differ (a dimension every shard spans in the same way
-cannot separate two of them):
+non-empty shards actually differ (a dimension every shard spans in the same
+way cannot separate two of them):
 
 - none: two non-empty shards are the same box, so they overlap;
 - one: the shards are intervals; sorted by start, an overlap shows up
-  between neighbours;
-- two: a sweep along one of them keeps the shards that cross the sweep
-  line in a list sorted along the other; those are pairwise disjoint, so
-  a new shard need only be compared with its two neighbours there;
-- three or more: the shards' boundaries cut every dimension into
-  elementary intervals, and two shards overlap exactly when they claim the
-  same elementary cell. Grids and other layouts whose shards span few
-  cells are checked with one dict in time linear in the cells claimed;
-  layouts where that would cost more than a few cells per shard fall back
-  to a sweep that compares each shard with those crossing the sweep line
-  (torch 2.13's method for every multi-dimensional layout; quadratic only
-  when many shards cross it, which grid-like layouts never make).
+  between neighbours: O(n log n);
+- two or more: up to 16 shards, torch 2.13's sweep (each shard against
+  those crossing the sweep line); beyond, in
+  :mod:`~shardwise._vocab.validation_sweep`:
+
+  - two: a corner test accepts any layout that tiles its bounding box
+    (every valid layout of a whole tensor); otherwise a sweep along one dim
+    keeps the shards crossing the sweep line in a blocked sorted list along
+    the other; they are pairwise disjoint, so a new shard need only be
+    compared with its two neighbours there: O(n log n) comparisons, plus
+    block moves of at most 1024 items (O(n sqrt n) cheap moves at worst);
+  - three or more: the shards' boundaries cut every dim into elementary
+    intervals, and two shards overlap exactly when they claim the same
+    elementary cell. Grids (one cell a shard) and layouts that claim at
+    most 8 cells a shard are checked with one set or dict: O(k n log n +
+    cells). Otherwise the corner test (up to 6 dims) accepts tilings, and
+    a sweep along the dim that leaves the fewest cells in the others has
+    the shards crossing the sweep line claim their projected cells (they
+    are pairwise disjoint there, so a shared cell is an overlap): also
+    linear in the cells claimed, so layouts split unevenly along one dim
+    (each column cut at its own row) stay O(n log n). Only a layout where
+    every such projection claims more than 8 cells a shard falls back to
+    torch's sweep, quadratic when many shards cross the sweep line.
 
 ``check_covering`` then needs only the shards' volumes and bounds.
 Messages name the shards at fault, and also carry torch 2.13's wording
 ("Shards ... overlap", "does not match tensor volume", ...), which code
-written for torch matches on.
+written for torch matches on. Any object with ``shard_offsets`` and
+``shard_sizes`` (and a ``placement``, named in messages) is a shard here,
+torch's own ``ShardMetadata`` included.
 """
 
 from __future__ import annotations
 
-import bisect
-import heapq
 import math
-from itertools import chain, repeat
+from itertools import chain
 from operator import add, gt, itemgetter, le, mul, sub
 from typing import Any, Optional, Protocol, Sequence
 
-__all__ = ["check_covering", "find_overlap", "validate_layout", "validate_non_overlapping"]
+from shardwise._vocab.validation_sweep import many_dims, pairwise_sweep, tiles, two_dims
+
+__all__ = ["check_covering", "describe", "find_overlap", "validate_layout", "validate_non_overlapping"]
+
 
 class Box(Protocol):
-    """What the checks read of a shard (a :class:`~shardwise._vocab.metadata.ShardMetadata`, which imports them)."""
+    """What the checks read of a shard: a :class:`~shardwise._vocab.metadata.ShardMetadata` or torch's."""
 
     @property
     def shard_offsets(self) -> list[int]:
@@ -47,10 +61,6 @@ class Box(Protocol):
     @property
     def shard_sizes(self) -> list[int]:
         """Its length in each dim."""
-        ...
-
-    def describe(self) -> str:
-        """The box and its placement, for messages."""
         ...
 
 
@@ -67,8 +77,18 @@ _CORNER_DIMS = 6
 _CELLS_PER_SHARD = 8
 
 
+def describe(shard: Box) -> str:
+    """``offsets=[0, 0] sizes=[3, 4] on rank:0/cpu``: the shard for messages, as ShardMetadata.describe words it.
+
+    Written from the attributes every shard has, not a method: torch's
+    ShardMetadata has none, and its messages must still be ValueErrors.
+    """
+    offsets, sizes = list(shard.shard_offsets), list(shard.shard_sizes)
+    return f"offsets={offsets} sizes={sizes} on {getattr(shard, 'placement', None)}"
+
+
 def _describe(shards: Sequence[Box]) -> str:
-    shown = "; ".join(s.describe() for s in shards[:_LISTED])
+    shown = "; ".join(map(describe, shards[:_LISTED]))
     more = len(shards) - _LISTED
     return shown + (f"; ... and {more} more" if more > 0 else "")
 
@@ -78,18 +98,10 @@ def _check_dims(shards: Sequence[Box]) -> int:
     for i, shard in enumerate(shards):
         if len(shard.shard_offsets) != ndim:
             raise ValueError(
-                f"shards 0 ({shards[0].describe()}) and {i} ({shard.describe()}) have different numbers "
+                f"shards 0 ({describe(shards[0])}) and {i} ({describe(shard)}) have different numbers "
                 f"of dimensions (Found inconsistent ranks for shards: {ndim} and {len(shard.shard_offsets)})"
             )
     return ndim
-
-
-def _overlaps(a: Box, b: Box, dims: Sequence[int]) -> bool:
-    ao, asz, bo, bsz = a.shard_offsets, a.shard_sizes, b.shard_offsets, b.shard_sizes
-    for d in dims:
-        if ao[d] >= bo[d] + bsz[d] or bo[d] >= ao[d] + asz[d]:
-            return False
-    return True
 
 
 def _one_dim(starts: Sequence[int], lengths: Sequence[int]) -> Optional[tuple[int, int]]:
@@ -108,121 +120,25 @@ def _one_dim(starts: Sequence[int], lengths: Sequence[int]) -> Optional[tuple[in
     return (k, k + 1) if order is None else (order[k], order[k + 1])
 
 
-def _two_dims(shards: Sequence[Box], idx: Sequence[int], a: int, b: int) -> Optional[tuple[int, int]]:
-    """Sweep along ``a``; the shards crossing the sweep line are disjoint along ``b``."""
-    order = sorted(idx, key=lambda i: shards[i].shard_offsets[a])
-    expiry: list[tuple[int, int]] = []  # (end along a, shard)
-    active: list[tuple[int, int, int]] = []  # (start along b, end along b, shard), sorted
-    for i in order:
-        shard = shards[i]
-        start = shard.shard_offsets[a]
-        while expiry and expiry[0][0] <= start:
-            _, j = heapq.heappop(expiry)
-            other = shards[j]
-            key = (other.shard_offsets[b], other.shard_offsets[b] + other.shard_sizes[b], j)
-            del active[bisect.bisect_left(active, key)]
-        lo = shard.shard_offsets[b]
-        item = (lo, lo + shard.shard_sizes[b], i)
-        pos = bisect.bisect_left(active, item)
-        if pos > 0 and active[pos - 1][1] > lo:
-            return active[pos - 1][2], i
-        if pos < len(active) and active[pos][0] < item[1]:
-            return active[pos][2], i
-        active.insert(pos, item)
-        heapq.heappush(expiry, (start + shard.shard_sizes[a], i))
-    return None
-
-
-def _tiles(starts_by_dim: Sequence[Sequence[int]], sizes_by_dim: Sequence[Sequence[int]], dims: Sequence[int]) -> bool:
-    """Whether the non-empty boxes, seen along ``dims`` only, tile their bounding box exactly; O(n 2^k log n).
-
-    A box's indicator is the signed sum of the orthants at its 2^k corners
-    (sign -1 per coordinate taken at the box's end); orthants at distinct
-    points are linearly independent, so the boxes' indicators add up to the
-    bounding box's exactly when their signed corners, summed per point,
-    equal the bounding box's. Adding up to the bounding box's indicator
-    means no point is held twice: no overlap (and no gap), whatever the
-    layout. False says only that the boxes do not tile it.
-    """
-    starts = [starts_by_dim[d] for d in dims]
-    ends = [list(map(add, starts_by_dim[d], sizes_by_dim[d])) for d in dims]
-    lower = [min(column) for column in starts]
-    upper = [max(column) for column in ends]
-    plus: list[int] = []
-    minus: list[int] = []
-    for mask in range(1 << len(dims)):
-        # A corner as one int, its coordinates' mixed-radix digits (maps in C: no tuple per corner).
-        key: list[int] = [0] * len(starts[0])
-        corner = 0
-        for k in range(len(dims)):
-            span, column = upper[k] - lower[k] + 1, ends[k] if mask >> k & 1 else starts[k]
-            key = list(map(add, map(mul, key, repeat(span)), map(sub, column, repeat(lower[k]))))
-            corner = corner * span + (upper[k] - lower[k] if mask >> k & 1 else 0)
-        # Corners with an odd number of end coordinates count -1: they go with the bounding box's +1 corners.
-        odd = bin(mask).count("1") % 2
-        (minus if odd else plus).extend(key)
-        (plus if odd else minus).append(corner)
-    plus.sort()
-    minus.sort()
-    return plus == minus
-
-
-def _cells(shards: Sequence[Box], idx: Sequence[int], dims: Sequence[int]) -> Optional[tuple[int, int]]:
-    """Claim elementary cells in a dict; None means no overlap. Raises OverflowError past the budget."""
-    cuts: list[list[int]] = []
-    for d in dims:
-        bounds = {shards[i].shard_offsets[d] for i in idx}
-        bounds.update(shards[i].shard_offsets[d] + shards[i].shard_sizes[d] for i in idx)
-        cuts.append(sorted(bounds))
-    ranges = []
-    total = 0
-    budget = _CELLS_PER_SHARD * len(idx) + 1024
-    for i in idx:
-        md = shards[i]
-        spans = []
-        count = 1
-        for d, points in zip(dims, cuts, strict=True):
-            lo = bisect.bisect_left(points, md.shard_offsets[d])
-            hi = bisect.bisect_left(points, md.shard_offsets[d] + md.shard_sizes[d], lo, len(points))
-            spans.append(range(lo, hi))
-            count *= hi - lo
-        total += count
-        if total > budget:
-            raise OverflowError
-        ranges.append(spans)
-    owner: dict[tuple[int, ...], int] = {}
-    for i, spans in zip(idx, ranges, strict=True):
-        for cell in _product(spans):
-            j = owner.setdefault(cell, i)
-            if j != i:
-                return j, i
-    return None
-
-
-def _product(spans: Sequence[range]) -> list[tuple[int, ...]]:
-    cells: list[tuple[int, ...]] = [()]
-    for span in spans:
-        cells = [c + (k,) for c in cells for k in span]
-    return cells
-
-
-def _sweep(
-    shards: Sequence[Box], idx: Sequence[int], dims: Sequence[int], a: int
+def _several_dims(
+    starts_by_dim: Sequence[Sequence[int]], sizes_by_dim: Sequence[Sequence[int]], sharded: Sequence[int]
 ) -> Optional[tuple[int, int]]:
-    """Sweep along ``a``, comparing each shard with every shard crossing the sweep line."""
-    order = sorted(idx, key=lambda i: shards[i].shard_offsets[a])
-    expiry: list[tuple[int, int]] = []
-    active: set[int] = set()
-    for i in order:
-        start = shards[i].shard_offsets[a]
-        while expiry and expiry[0][0] <= start:
-            active.discard(heapq.heappop(expiry)[1])
-        for j in active:
-            if _overlaps(shards[i], shards[j], dims):
-                return j, i
-        active.add(i)
-        heapq.heappush(expiry, (start + shards[i].shard_sizes[a], i))
-    return None
+    """Local indices of two overlapping shards cut along the ``sharded`` dims (two or more), or None."""
+    starts = [starts_by_dim[d] for d in sharded]
+    sizes = [sizes_by_dim[d] for d in sharded]
+    n = len(starts[0])
+    # A sweep along the dim with the most distinct starts: fewest shards cross the sweep line.
+    if n <= _FEW:
+        # So few that the plain sweep's lower overhead wins.
+        return pairwise_sweep(starts, sizes, max(range(len(starts)), key=lambda k: len(set(starts[k]))))
+    if len(sharded) == 2:
+        if tiles(starts, sizes):
+            return None  # every valid layout of a whole tensor takes this path
+        return two_dims(starts, sizes, 0 if len(set(starts[0])) >= len(set(starts[1])) else 1)
+    try:
+        return many_dims(starts, sizes, _CELLS_PER_SHARD * n + 1024, _CORNER_DIMS)
+    except OverflowError:
+        return pairwise_sweep(starts, sizes, max(range(len(starts)), key=lambda k: len(set(starts[k]))))
 
 
 class _Columns:
@@ -257,11 +173,9 @@ def find_overlap(shards: Sequence[Box], columns: Optional[_Columns] = None) -> O
         _check_dims(shards)
     ndim = cols.ndim
     idx: Sequence[int] = range(len(shards))
-    sub: Sequence[Box] = shards
     starts_by_dim, sizes_by_dim = cols.starts, cols.sizes
     if any(0 in column for column in sizes_by_dim):
         idx = [i for i, s in enumerate(shards) if 0 not in s.shard_sizes]
-        sub = [shards[i] for i in idx]
         starts_by_dim = [list(map(column.__getitem__, idx)) for column in cols.starts]
         sizes_by_dim = [list(map(column.__getitem__, idx)) for column in cols.sizes]
     if len(idx) < 2:
@@ -279,21 +193,7 @@ def find_overlap(shards: Sequence[Box], columns: Optional[_Columns] = None) -> O
     elif len(sharded) == 1:
         pair = _one_dim(starts_by_dim[sharded[0]], sizes_by_dim[sharded[0]])
     else:
-        # Sweep along the dim with the most distinct starts: fewest shards cross the sweep line.
-        a = max(sharded, key=lambda d: len(set(starts_by_dim[d])))
-        local = range(len(sub))
-        if len(sub) > _FEW and len(sharded) <= _CORNER_DIMS and _tiles(starts_by_dim, sizes_by_dim, sharded):
-            return None
-        if len(sub) <= _FEW:
-            # So few that the plain sweep's lower overhead wins.
-            pair = _sweep(sub, local, sharded, a)
-        elif len(sharded) == 2:
-            pair = _two_dims(sub, local, a, sharded[0] if a == sharded[1] else sharded[1])
-        else:
-            try:
-                pair = _cells(sub, local, sharded)
-            except OverflowError:
-                pair = _sweep(sub, local, sharded, a)
+        pair = _several_dims(starts_by_dim, sizes_by_dim, sharded)
     if pair is None:
         return None
     i, j = sorted((idx[pair[0]], idx[pair[1]]))
@@ -340,7 +240,6 @@ def _find_overlap_exact(
     sharded: list[int],
 ) -> Optional[tuple[int, int]]:
     """The rest of :func:`_find_overlap_direct`, given the sizes, the starts by dim and the dims where starts differ."""
-    n = len(shards)
     if 0 in chain.from_iterable(lengths):
         # Empty shards hold nothing, so they overlap nothing: check the others.
         idx = [i for i, size in enumerate(lengths) if 0 not in size]
@@ -350,18 +249,7 @@ def _find_overlap_exact(
         return 0, 1
     if len(sharded) > 1:
         # As find_overlap; a dim where starts agree cannot separate non-empty shards, so it is left out.
-        sizes_by_dim = list(zip(*lengths, strict=True))
-        if n > _FEW and len(sharded) <= _CORNER_DIMS and _tiles(starts_by_dim, sizes_by_dim, sharded):
-            return None  # every valid layout of a whole tensor takes this path
-        a = max(sharded, key=lambda d: len(set(starts_by_dim[d])))
-        if n <= _FEW:
-            return _ordered(_sweep(shards, range(n), sharded, a))
-        if len(sharded) == 2:
-            return _ordered(_two_dims(shards, range(n), a, sharded[0] if a == sharded[1] else sharded[1]))
-        try:
-            return _ordered(_cells(shards, range(n), sharded))
-        except OverflowError:
-            return _ordered(_sweep(shards, range(n), sharded, a))
+        return _ordered(_several_dims(starts_by_dim, list(zip(*lengths, strict=True)), sharded))
     d = sharded[0]
     sizes = list(map(itemgetter(d), lengths))
     # Sorted by start, an overlap shows between neighbours.
@@ -398,14 +286,12 @@ def validate_non_overlapping(shards: Sequence[Box], columns: Optional[_Columns] 
     if pair is not None:
         i, j = pair
         raise ValueError(
-            f"Shards overlap: shards {i} ({shards[i].describe()}) and {j} ({shards[j].describe()}) overlap; "
+            f"Shards overlap: shards {i} ({describe(shards[i])}) and {j} ({describe(shards[j])}) overlap; "
             "every element of the tensor must belong to exactly one shard"
         )
 
 
-def check_covering(
-    shards: Sequence[Box], tensor_size: Sequence[int], columns: Optional[_Columns] = None
-) -> None:
+def check_covering(shards: Sequence[Box], tensor_size: Sequence[int], columns: Optional[_Columns] = None) -> None:
     """Raise unless the shards fit in the tensor and (with no overlaps) cover it.
 
     Call after :func:`validate_non_overlapping`: then covering is the same
@@ -527,7 +413,7 @@ def _raise_outside(shards: Sequence[Box], size: list[Any]) -> None:
     for i, shard in enumerate(shards):
         if len(shard.shard_offsets) != len(size):
             raise ValueError(
-                f"shard {i} ({shard.describe()}) has {len(shard.shard_offsets)} dimensions, "
+                f"shard {i} ({describe(shard)}) has {len(shard.shard_offsets)} dimensions, "
                 f"the tensor of size {size} has {len(size)} (Rank of tensor is {len(size)}, "
                 f"but shards rank is {len(shard.shard_offsets)})"
             )
@@ -536,7 +422,7 @@ def _raise_outside(shards: Sequence[Box], size: list[Any]) -> None:
         for d, (offset, length, limit) in enumerate(zip(shard.shard_offsets, shard.shard_sizes, size, strict=True)):
             if offset + length > limit:
                 raise ValueError(
-                    f"shard {i} ({shard.describe()}) ends at {offset + length} in dim {d}, "
+                    f"shard {i} ({describe(shard)}) ends at {offset + length} in dim {d}, "
                     f"outside the tensor of size {size} (Shard offset {offset} and length {length} "
                     f"exceeds tensor dim: {limit})"
                 )
