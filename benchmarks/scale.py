@@ -14,7 +14,8 @@ Three costs that grow with the number of shards, each timed side by side
   split sizes come later, from tensors) against shardwise's ``plan`` (every
   piece the rank copies, sends and receives, and how);
 - checkpoint load plan: T tensors each saved as a G x G grid of chunks,
-  loaded by one of 64 ranks as a ChunkShardingSpec dim-0 chunk: torch's
+  loaded by one of 64 ranks as a ChunkShardingSpec chunk along dim 0 and
+  along dim 1: torch's
   ``create_read_items_for_chunk_list`` (what ``DefaultLoadPlanner`` calls per
   tensor) against shardwise's ``read_items`` with one ``IndexCache`` per plan
   (what shardwise's load planner calls per tensor). x = chunks per tensor.
@@ -139,20 +140,25 @@ def _saved(tensors: int, grid: int, rows: int, cols: int) -> dict[str, Any]:
 def _checkpoint(grids: list[int], tensors: int, budget: float) -> list[Row]:
     rows: list[Row] = []
     loaders, rank = 64, 5
-    for grid in grids:
-        height = width = 8 * 64
-        saved = _saved(tensors, grid, height, width)
-        top = rank * height // loaders
-        local = [ChunkStorageMetadata(torch.Size((top, 0)), torch.Size(((rank + 1) * height // loaders - top, width)))]
+    # Loaded as row bands (dim 0) and as column bands (dim 1): an index sorted one way only would scan every
+    # saved chunk for the other.
+    for along in (0, 1):
+        for grid in grids:
+            height = width = 8 * 64
+            saved = _saved(tensors, grid, height, width)
+            start = rank * height // loaders
+            length = (rank + 1) * height // loaders - start
+            box = ((start, 0), (length, width)) if along == 0 else ((0, start), (height, length))
+            local = [ChunkStorageMetadata(torch.Size(box[0]), torch.Size(box[1]))]
 
-        ours, theirs = functools.partial(_ours, saved, local), functools.partial(_theirs, saved, local)
-        if ours() != theirs():
-            raise AssertionError("shardwise and torch read different numbers of items")
-        got = _time({"shardwise": ours, "torch": theirs}, budget)
-        case = f"{tensors} tensors, G x G grids -> 64 ranks dim 0"
-        rows.append(("checkpoint load plan", case, grid * grid, got["torch"], got["shardwise"]))
-        print(_line(rows[-1]), flush=True)
-        gc.collect()
+            ours, theirs = functools.partial(_ours, saved, local), functools.partial(_theirs, saved, local)
+            if ours() != theirs():
+                raise AssertionError("shardwise and torch read different numbers of items")
+            got = _time({"shardwise": ours, "torch": theirs}, budget)
+            case = f"{tensors} tensors, G x G grids -> 64 ranks dim {along}"
+            rows.append(("checkpoint load plan", case, grid * grid, got["torch"], got["shardwise"]))
+            print(_line(rows[-1]), flush=True)
+            gc.collect()
     return rows
 
 
@@ -214,11 +220,13 @@ def _targets(rows: list[Row], quick: bool) -> list[str]:
         row = find("validation", name, 90_000)
         check(f"validation {row[2] if row else 100000} shards ({name})", row, 1.0)
     check("reshard plan, chunk->chunk, 4096 ranks, per rank", find("reshard plan", "chunk", 4096), 0.1)
-    check(
-        "checkpoint load plan, 1000 tensors of 64x64 chunks -> 64 ranks",
-        find("checkpoint load plan", "1000", 4096),
-        2.0,
-    )
+    for along in (0, 1):
+        check(
+            f"checkpoint load plan, 1000 tensors of 64x64 chunks -> 64 ranks, chunks along dim {along}",
+            next((r for r in rows if r[0] == "checkpoint load plan" and r[1].endswith(f"dim {along}")
+                  and r[1].startswith("1000") and r[2] >= 4096), None),
+            2.0,
+        )
     return lines
 
 
