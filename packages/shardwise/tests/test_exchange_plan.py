@@ -388,8 +388,9 @@ def test_rounds_keep_each_ranks_buffers_within_its_shard() -> None:
     assert plan(rows, rows, 1, 4).rounds == 1
 
 
-def test_rounds_are_capped_by_rows_and_max_rounds() -> None:
-    # One row: no slab can cut it, so however large the buffers, one round.
+def test_one_row_whose_buffers_fit_takes_one_round() -> None:
+    # One row of 64 elements over 4 ranks: the buffers fit each rank's shard, so one round (a row that did not
+    # fit would be cut inside it: test_reshard_slabs.py).
     wide_rows, wide_cols = _chunk([1, 64], 1, [0, 1, 2, 3]), _grid([1, 64], [[], [8, 24, 40]], [1, 3, 0, 2], [])
     assert [plan(wide_rows, wide_cols, r, 4).rounds for r in range(4)] == [1] * 4
     assert slabs(10, 4) == [(0, 2), (2, 5), (5, 7), (7, 10)]

@@ -21,12 +21,14 @@ target live on the same rank are copied directly and never touch the wire,
 so each element crosses the wire at most once, and no rank holds more than
 its own shards plus one send and one receive buffer. A target shard that
 arrives whole, in order (``recv_whole``), is the receive buffer itself (no
-allocation, no copy). :func:`redistribute` can also move the data in slabs
-of dim 0, one all-to-all per slab (``rounds``; the plan says how many keep
-the buffers within the shard size), which is what ``reshard`` does on more
-than two ranks when the pieces are scattered; the slabs' all-to-alls are
-asynchronous, so packing slab k+1 overlaps the transfer of slab k (twice
-as many slabs, each half the size, keep the same memory bound).
+allocation, no copy). :func:`redistribute` can also move the data in parts
+(slabs of the tensor's row-major order, or every stream between two ranks
+cut alike: :func:`~shardwise._layout.plan.slab_plans`), one all-to-all per
+part (``rounds``; the plan says how many keep the buffers within the shard
+size), which is what ``reshard`` does on more than two ranks when the
+pieces are scattered; the parts' all-to-alls are asynchronous, so packing
+part k+1 overlaps the transfer of part k (twice as many parts, each half
+the size, the plan's bound counting every two consecutive ones).
 
 Nothing here checks that ranks agree; the entry points that do
 (``reshard``, ``gather``, ``full_tensor``, ``shard_tensor``) live in
@@ -46,7 +48,7 @@ from typing import TYPE_CHECKING, Any, Collection, Mapping, NoReturn, Optional, 
 import torch
 
 from shardwise._comm import box_moves, buffers, local_copy
-from shardwise._layout.plan import Piece, Run, TransferPlan, plan, row_major_start, slab_plans
+from shardwise._layout.plan import Piece, Run, TransferPlan, pairs_fit, plan, row_major_start, slab_plans
 from shardwise._vocab.metadata import ShardedTensorMetadata
 from shardwise._vocab.shard import Shard
 
@@ -111,7 +113,7 @@ def describe(pl: TransferPlan, wire_dtype: torch.dtype, parts: Sequence[Transfer
     Args:
         pl: This rank's plan.
         wire_dtype: The dtype the data moves in (bytes are counted in it).
-        parts: The plans of its rounds when it moves in dim-0 slabs
+        parts: The plans of its rounds when it moves in parts
             (:func:`~shardwise._layout.plan.slab_plans`); empty: one round.
 
     Returns:
@@ -137,8 +139,9 @@ def describe(pl: TransferPlan, wire_dtype: torch.dtype, parts: Sequence[Transfer
         return f"{head}; {sends}; {receives}; 1 round, {peak} of buffers"
     from_view = sum(part.send_view is not None for part in rounds)
     into_view = sum(part.recv_view is not None for part in rounds)
+    cut = rounds[0].cut or "slabs"
     return (
-        f"{head}; {sends}; {receives}; {len(rounds)} rounds (dim-0 slabs), at most {peak} of buffers in each; "
+        f"{head}; {sends}; {receives}; {len(rounds)} rounds ({cut}), at most {peak} of buffers in each; "
         f"sent from a view in {from_view} and received into one in {into_view} of them"
     )
 
@@ -473,8 +476,8 @@ def redistribute(
             than one all-to-all's (the same on every rank: the largest
             :attr:`~shardwise._layout.plan.TransferPlan.rounds` of the
             ranks' plans). Above 1 the data moves in twice that many
-            slabs of dim 0, one asynchronous all-to-all each, the next slab
-            packed while the previous one travels.
+            parts (:func:`executed_slabs`), one asynchronous all-to-all
+            each, the next part packed while the previous one travels.
         planned: This rank's plan from ``src_md`` to ``dst_md`` in
             ``group``, when the caller has already made it (to agree on
             ``rounds``); None: planned here.
@@ -505,7 +508,7 @@ def redistribute(
             if read_direct(pl, sources, targets, group, wire_dtype) is not None:
                 return _leaves(targets, dst_md)
     if len(parts) > 1:
-        _execute_overlapped(parts, sources, targets, group, wire_dtype, trusted=trusted)
+        _execute_overlapped(pl, parts, sources, targets, group, wire_dtype, trusted=trusted)
         return _leaves(targets, dst_md)
     for part in parts:
         flat = _execute(part, sources, targets, group, wire_dtype, trusted=trusted)
@@ -517,17 +520,18 @@ def redistribute(
 
 
 def executed_slabs(pl: TransferPlan, rounds: int) -> tuple[TransferPlan, ...]:
-    """The slab plans :func:`redistribute` runs for ``pl`` with ``rounds``: ``(pl,)``, or twice ``rounds`` slabs.
+    """The part plans :func:`redistribute` runs for ``pl`` with ``rounds``: ``(pl,)``, or twice ``rounds`` parts.
 
-    Two slabs are in flight at once (:func:`_execute_overlapped`), so each is
-    half the size that ``rounds`` slabs would be: the buffers alive at once
-    stay what ``rounds`` promises.
+    Two parts are in flight at once (:func:`_execute_overlapped`), so each is
+    half the size that ``rounds`` parts would be; the plan's ``rounds``
+    decision counted the buffers of every two consecutive ones of these
+    (:func:`~shardwise._layout.plan.slab_plans` says how they are cut).
     """
-    parts = slab_plans(pl, rounds)
-    return parts if len(parts) == 1 else slab_plans(pl, 2 * len(parts))
+    return (pl,) if rounds <= 1 else slab_plans(pl, rounds, 2 * rounds)
 
 
 def _execute_overlapped(
+    pl: TransferPlan,
     parts: Sequence[TransferPlan],
     sources: Mapping[int, torch.Tensor],
     targets: Mapping[int, torch.Tensor],
@@ -536,15 +540,18 @@ def _execute_overlapped(
     *,
     trusted: bool,
 ) -> None:
-    """Run slab plans so that packing slab k+1 overlaps the transfer of slab k.
+    """Run the part plans of ``pl`` so that packing part k+1 overlaps the transfer of part k.
 
-    Each slab's all-to-all is issued asynchronously (``async_op=True``);
-    while it moves, the next slab is packed, and only then is the previous
-    one waited for and unpacked. Two slabs' buffers are alive at once, so
-    the caller passes twice the rounds that keep one slab's buffers within
-    the shard size: the peak stays where one slab at a time had it.
-    Slabs never receive into a whole target (their targets exist up front).
+    Each part's all-to-all is issued asynchronously (``async_op=True``);
+    while it moves, the next part is packed, and only then is the previous
+    one waited for and unpacked. Two parts' buffers are then alive at once,
+    which is what the rounds decision bounds; where two consecutive parts
+    do not fit the budget together (:func:`~shardwise._layout.plan.pairs_fit`:
+    a round count passed in below what the plan asked for, or streams too
+    short to cut), each part is finished before the next is packed. Parts
+    never receive into a whole target (their targets exist up front).
     """
+    overlap = pairs_fit(pl, parts)
     inflight: Optional[tuple[TransferPlan, Any, Optional[torch.Tensor]]] = None
 
     def finish(part: TransferPlan, work: Any, into: Optional[torch.Tensor]) -> None:
@@ -557,7 +564,10 @@ def _execute_overlapped(
             copy_local(part, sources, targets, wire_dtype)
             if not part.needs_wire:
                 continue
-            send = pack(part, sources, wire_dtype, group.device)  # overlaps the slab in flight
+            if inflight is not None and not overlap:
+                finish(*inflight)
+                inflight = None
+            send = pack(part, sources, wire_dtype, group.device)  # overlaps the part in flight
             if inflight is not None:
                 finish(*inflight)
                 inflight = None
