@@ -421,3 +421,21 @@ def test_user_spec_classes_are_compared_by_the_layout_they_build() -> None:
         assert "rank 0's RowSplit and rank 1's RowSplit cut the tensor into different shards" in seen["reshard"][1]
         assert seen["shard_tensor"][0] == "ValueError", seen
         assert "rank 0 and rank 1 passed specs that print alike (RowSplit) but differ" in seen["shard_tensor"][1]
+
+
+def resized_shard() -> tuple[str, str]:
+    """A local shard's tensor replaced by one of another size on rank 1: every rank raises before data moves."""
+    g = shardwise.get_default_group()
+    dense = _dense([12, 10], torch.float32)
+    st = make(dense, ChunkShardingSpec(0, _place(list(range(g.size)))))
+    if g.rank == 1:
+        st.local_shards()[0].tensor = st.local_shards()[0].tensor[:2].clone()
+    return _outcome(lambda: st.reshard(ChunkShardingSpec(1, _place(list(range(g.size))))))
+
+
+def test_a_local_shard_of_another_size_raises_on_every_rank() -> None:
+    for rank, (kind, message) in enumerate(_run(resized_shard, 3)):
+        if rank == 1:
+            assert kind == "ValueError" and "holds a tensor of shape [2, 10], not the shard's size [4, 10]" in message
+        else:
+            assert kind == "PeerError" and "rank 1 (ValueError)" in message, (rank, kind, message)

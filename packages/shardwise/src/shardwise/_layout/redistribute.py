@@ -403,8 +403,8 @@ def match_sources(shards: Sequence[Shard], md: ShardedTensorMetadata, rank: int)
     name global ranks.
 
     Raises:
-        ValueError: a shard is not in ``md`` for this rank, or a non-empty
-            entry of ``md`` on this rank has no shard.
+        ValueError: a shard is not in ``md`` for this rank, its tensor is not
+            of its size, or a non-empty entry of ``md`` on this rank has no shard.
     """
     free: dict[tuple[tuple[int, ...], tuple[int, ...]], list[int]] = {}
     for i, entry in enumerate(md.shards_metadata):
@@ -415,6 +415,13 @@ def match_sources(shards: Sequence[Shard], md: ShardedTensorMetadata, rank: int)
         key = (tuple(shard.metadata.shard_offsets), tuple(shard.metadata.shard_sizes))
         if not free.get(key):
             raise ValueError(f"local shard ({shard.metadata.describe()}) on rank {rank} is not in the metadata")
+        if tuple(shard.tensor.shape) != key[1]:
+            # A tensor replaced or resized after construction: caught here, agreed, before any byte moves.
+            raise ValueError(
+                f"local shard ({shard.metadata.describe()}) on rank {rank} holds a tensor of shape "
+                f"{list(shard.tensor.shape)}, not the shard's size {list(key[1])}; keep local shard tensors at "
+                "their metadata's size"
+            )
         # A conjugate or negative view keeps its flag beside memory that holds the plain values; every
         # path here moves memory (one copy, bytes on the wire), so the values are materialised first.
         out[free[key].pop(0)] = shard.tensor.resolve_conj().resolve_neg()
