@@ -221,7 +221,7 @@ def many_dims(starts: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]], b
     others = [k for k in range(ndim) if k != a]
     a_end = list(map(add, starts[a], sizes[a]))
     if without[a].count(1) == n:
-        return _claim_sweeping_single(starts[a], a_end, _single_keys(lows, radix, others))
+        return _claim_sweeping(starts[a], a_end, [[key] for key in _single_keys(lows, radix, others)])
     return _claim_sweeping(starts[a], a_end, _keys(lows, spans, radix, others, without[a]))
 
 
@@ -274,21 +274,4 @@ def _claim_sweeping(a_start: Sequence[int], a_end: Sequence[int], keys: list[lis
             j = owner.setdefault(cell, i)
             if j != i:
                 return j, i
-    return None
-
-
-def _claim_sweeping_single(a_start: Sequence[int], a_end: Sequence[int], keys: list[int]) -> Pair:
-    """:func:`_claim_sweeping` where each shard projects onto one cell (its key): no list a shard."""
-    order = sorted(range(len(a_start)), key=a_start.__getitem__)
-    expiry = sorted(range(len(a_start)), key=a_end.__getitem__)
-    gone = 0
-    owner: dict[int, int] = {}
-    for i in order:
-        start = a_start[i]
-        while a_end[expiry[gone]] <= start:
-            del owner[keys[expiry[gone]]]
-            gone += 1
-        j = owner.setdefault(keys[i], i)
-        if j != i:
-            return j, i
     return None
