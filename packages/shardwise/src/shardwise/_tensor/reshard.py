@@ -3,7 +3,7 @@
 The ranks agree on the spec and on the tensor they hold (a digest of its
 metadata, as :mod:`shardwise._tensor.scatter` does for the other verbs), then move
 each element once from its old owner to its new one
-(:func:`shardwise._layout.redistribute.redistribute`), in as many dim-0 slabs as keep
+(:func:`shardwise._layout.redistribute.redistribute`), in as many parts as keep
 every rank within twice its shard (:attr:`shardwise._layout.plan.TransferPlan.rounds`).
 The result lists its shards by rank, as torch 2.13's ``reshard`` does.
 
@@ -173,10 +173,8 @@ def _moved_with_grad(
         return [shard.tensor for shard in there()]
 
     def backward(grads: Sequence[Optional[torch.Tensor]]) -> list[torch.Tensor]:
-        filled = [
-            Shard(torch.zeros(e.shard_sizes, dtype=target.tensor_properties.dtype) if g is None else g.contiguous(), e)
-            for g, e in zip(grads, mine, strict=True)
-        ]
+        filled = [Shard(_zeros(e, target.tensor_properties) if g is None else g.contiguous(), e)
+                  for g, e in zip(grads, mine, strict=True)]
         by_box = {(tuple(s.metadata.shard_offsets), tuple(s.metadata.shard_sizes)): s.tensor for s in back(filled)}
         return [by_box[(tuple(s.metadata.shard_offsets), tuple(s.metadata.shard_sizes))] for s in shards]
 
@@ -207,6 +205,12 @@ def _agreed_rounds(counts: list[Any]) -> int:
                 "every rank must run the same shardwise version"
             )
     return max(int(count) for count in counts)
+
+
+def _zeros(entry: ShardMetadata, props: TensorProperties) -> torch.Tensor:
+    """The gradient of a new shard the loss did not use, on the shard's device."""
+    assert entry.placement is not None
+    return torch.zeros(entry.shard_sizes, dtype=props.dtype, device=entry.placement.device())
 
 
 def _empty(entry: ShardMetadata, props: TensorProperties) -> torch.Tensor:
