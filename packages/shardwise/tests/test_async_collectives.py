@@ -528,6 +528,32 @@ def test_destroy_local_drops_queued_work_and_destroy_finishes_it() -> None:
     _same(pending.wait(), torch.arange(3.0))
 
 
+def test_close_without_drain_joins_a_worker_with_nothing_running() -> None:
+    # After its last job's Work is finished the worker still drops that job's references (the move's
+    # tensors, whose deallocation releases the GIL). A group dropped without destroy() (a sub-group) is
+    # closed at exit by its finalizer: left running, the daemon thread retakes the GIL during interpreter
+    # finalization inside torch's tensor dealloc, and the process aborts ("terminate called without an
+    # active exception"). close(drain=False) must join it when nothing is running.
+    from shardwise._comm.work import Worker
+
+    released = threading.Event()
+
+    class SlowToFree:
+        def __del__(self) -> None:
+            time.sleep(0.2)
+            released.set()
+
+    def job(held: SlowToFree) -> Callable[[], int]:
+        return lambda: 1 if held else 0
+
+    worker = Worker("test-worker")
+    work = worker.submit(Work("all_reduce", "here"), job(SlowToFree()), None)
+    assert work.wait(30) == 1
+    worker.close("the group was garbage-collected", drain=False)
+    assert released.is_set()
+    assert worker._thread is not None and not worker._thread.is_alive()
+
+
 def test_new_group_runs_after_queued_work_with_verify_off() -> None:
     # Making a sub-group communicates on the group (MPI_Comm_split): never beside a collective on the worker.
     g = _Local(verify=False)

@@ -238,11 +238,17 @@ class Worker:
             self._busy -= len(dropped)
             self._cond.notify_all()
             thread = self._thread
+            # Nothing running: the worker has at most its last job's references to drop (tensors, whose
+            # deallocation releases the GIL) before it sees the close and returns. Join it either way, so
+            # that never happens during interpreter finalization, where a daemon thread retaking the GIL
+            # is ended by pthread_exit, and inside torch's tensor dealloc that aborts the process
+            # ("terminate called without an active exception").
+            idle = self._busy == 0
         for work, *_ in dropped:
             work._finish(None, RuntimeError(f"{work._where}: asynchronous {work.name} never ran: {reason}"), None)
         if dropped:
             logger.warning("%s: %d queued collective(s) dropped: %s", self._name, len(dropped), reason)
-        if drain and thread is not None and not self.on_worker():
+        if (drain or idle) and thread is not None and not self.on_worker():
             thread.join(timeout=5.0)
 
     def _run(self) -> None:
