@@ -245,7 +245,7 @@ def load(state_dict: dict[str, Any], path: PathLike, *, process_group: Any = Non
 
     planned: list[Any] = []
 
-    def plan() -> Optional[str]:
+    def plan() -> dict[str, Optional[str]]:
         reader.append(safe_reader(_readable(source)))
         metadata = reader[0].read_metadata()
         planner.set_up_planner(state_dict, metadata, coordinator)
@@ -255,15 +255,17 @@ def load(state_dict: dict[str, Any], path: PathLike, *, process_group: Any = Non
         # The default planner and reader make no global decisions: each rank's plan stands alone.
         planned.append(reader[0].prepare_global_plan(planner.create_global_plan([local]))[0])
         saved = getattr(metadata, "storage_meta", None)
-        return None if saved is None else saved.save_id
+        return {"save": None if saved is None else saved.save_id, "path": str(source)}
 
-    saves = group.agree(plan, op="checkpoint planning", gather=True)
-    if len(set(saves)) > 1:
+    read_from = group.agree(plan, op="checkpoint planning", gather=True)
+    differ = [r for r, seen in enumerate(read_from) if seen["save"] != read_from[0]["save"]]
+    if differ:
         # Ranks given different paths would fill one state dict from several checkpoints.
-        differ = next(r for r, save in enumerate(saves) if save != saves[0])
+        first = read_from[differ[0]]
         raise ValueError(
-            f"ranks are loading different checkpoints: rank 0's (save {saves[0]}) and rank {differ}'s (save "
-            f"{saves[differ]}, from {source} there); every rank must pass the same checkpoint path"
+            f"ranks are loading different checkpoints: rank 0 the one at {read_from[0]['path']} (save "
+            f"{read_from[0]['save']}), rank {differ[0]} the one at {first['path']} (save {first['save']}); every "
+            "rank must pass the same checkpoint path"
         )
     central = planned[0]
 
