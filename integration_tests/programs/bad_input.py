@@ -940,6 +940,8 @@ CASES: list[Case] = [
         "checkpoint_save_under_a_file",
         _save_under_a_file,
         E("FileExistsError|NotADirectoryError", r"a_file"),
+        culprit=0,  # rank 0 creates the save's directory; the others check they see it
+        peers=E("PeerError", r"^checkpoint creating the directory: rank 0 \((FileExistsError|NotADirectoryError)\)"),
     ),
     Case(
         "checkpoint_save_unpicklable_value",

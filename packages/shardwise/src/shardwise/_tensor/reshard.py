@@ -94,8 +94,9 @@ def reshard_shards(
     entries = group.agree(check, op="reshard", gather=True)
     target: ShardedTensorMetadata = local["target"]
     have: dict[int, torch.Tensor] = local["have"]
-    _check_same_target(entries)
+    # The tensors first: a spec builds different shards from tensors of different sizes.
     check_same([e["layout"] for e in entries], "tensor's layout (digest of its metadata)", SAME_TENSOR)
+    _check_same_target(entries)
     check_same([e["grad"] for e in entries], "grad mode (grad enabled and the tensor requiring grad)",
                "call reshard under torch.no_grad() on every rank or on none")
     rounds = _agreed_rounds([e.get("rounds") for e in entries])
