@@ -760,8 +760,7 @@ class Group(abc.ABC):
 
     def _gather_bytes(self, data: bytes, counts: Sequence[int], op: str) -> list[bytes]:
         """Every rank's ``data`` (``counts[r]`` bytes from rank r, already agreed)."""
-        raw = bytearray(data)
-        inp = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+        inp = _byte_tensor(data)
         out = torch.empty(sum(counts), dtype=torch.uint8, device=self._device)
         with labelled(CallLabel(self, op)):
             self._all_gather(out, inp.to(self._device), counts)
