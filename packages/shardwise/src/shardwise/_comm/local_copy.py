@@ -16,7 +16,8 @@ When it applies: the group's backend offers it (``Group._local_copy``), every
 rank of the group is on this host (:meth:`Group.hosts`), the kernel lets this
 process read its peers (checked once per group with a tiny read among the
 ranks, since seccomp or Yama's ``ptrace_scope`` may forbid it, and agreed
-across ranks so all take the same path), ``SHARDWISE_LOCAL_COPY`` is not
+across ranks so all take the same path; under ``ptrace_scope`` 1 the ranks
+declare their launcher their tracer and try again, :mod:`shardwise._comm.ptracer`), ``SHARDWISE_LOCAL_COPY`` is not
 ``0``, and on each call every rank's tensors are contiguous CPU memory (the
 call's first all-gather carries each rank's verdict; any "no" sends every rank
 down the backend's own path). Ranks on several hosts always keep the
@@ -54,7 +55,7 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Sequence,
 
 import torch
 
-from shardwise._comm import copy_rates
+from shardwise._comm import copy_rates, ptracer
 from shardwise._comm.agreement import mark_known_to_peers
 from shardwise._comm.hosts import this_host
 from shardwise._vocab.switches import switched_on
@@ -82,6 +83,9 @@ LOCAL_COPY_ENV = "SHARDWISE_LOCAL_COPY"
 _IOV_MAX = 1024
 
 _log = logging.getLogger("shardwise.comm")
+
+#: The last word of the token a rank reads from its peer to prove the kernel allows it.
+_TOKEN = 0x5A5A5A5A
 
 #: Calls moved by cross-memory attach in this process, by collective name.
 stats: dict[str, int] = {}
@@ -365,21 +369,19 @@ def _agree_verdict(group: Group) -> bool:
         _log.debug("%r: ranks on several hosts, keeping the backend's path", group)
         return False
     reason = probe() if enabled() else f"{LOCAL_COPY_ENV}=0"
-    token = torch.tensor([os.getpid(), group.rank, 0x5A5A5A5A], dtype=torch.int64, device="cpu")
-    rows = all_gather_ints(group, [reason is None, os.getpid(), token.data_ptr()])
+    scope = ptracer.yama_scope()
+    chain = ptracer.ancestry() if reason is None and scope == 1 else []
+    token = torch.tensor([os.getpid(), group.rank, _TOKEN], dtype=torch.int64, device="cpu")
+    padded = chain + [0] * (ptracer.ANCESTRY_DEPTH - len(chain))
+    rows = all_gather_ints(group, [reason is None, os.getpid(), token.data_ptr(), scope, *padded])
     err = 0
     if all(row[0] for row in rows):
-        # Read the next rank's token: proves the kernel lets this process read a peer's memory.
-        peer = (group.rank + 1) % group.size
-        got = torch.zeros(3, dtype=torch.int64, device="cpu")
-        err = _read_runs(rows[peer][1], runs([got.data_ptr()], [rows[peer][2]], [24]))
-        if err == 0 and got.tolist() != [rows[peer][1], peer, 0x5A5A5A5A]:
-            err = errno_module.EIO
-        if err:
-            reason = f"reading rank {peer}'s memory failed: {_strerror(err)}"
-    verdicts = all_gather_ints(group, [reason is None and all(row[0] for row in rows)])
-    del token
+        err, reason = _read_token(group, rows)
+    verdicts = all_gather_ints(group, [reason is None and all(row[0] for row in rows), err])
     ok = all(v[0] for v in verdicts)
+    if not ok and _yama_may_allow(rows, verdicts):
+        ok, reason = _with_declared_tracer(group, rows, chain)
+    del token
     _log.debug(
         "%r: cross-memory attach %s%s",
         group,
@@ -387,6 +389,50 @@ def _agree_verdict(group: Group) -> bool:
         f" (this rank: {reason})" if reason else "",
     )
     return ok
+
+
+def _read_token(group: Group, rows: Sequence[Sequence[int]]) -> tuple[int, Optional[str]]:
+    """Read the next rank's token: proves the kernel lets this process read a peer's memory (error, why not)."""
+    peer = (group.rank + 1) % group.size
+    got = torch.zeros(3, dtype=torch.int64, device="cpu")
+    err = _read_runs(rows[peer][1], runs([got.data_ptr()], [rows[peer][2]], [24]))
+    if err == 0 and got.tolist() != [rows[peer][1], peer, _TOKEN]:
+        err = errno_module.EIO
+    return err, (f"reading rank {peer}'s memory failed: {_strerror(err)}" if err else None)
+
+
+def _yama_may_allow(rows: Sequence[Sequence[int]], verdicts: Sequence[Sequence[int]]) -> bool:
+    """Whether Yama's ptrace_scope 1 alone refused the reads, which a declared tracer lifts (same on every rank)."""
+    errors = [v[1] for v in verdicts]
+    return (
+        all(row[0] and row[3] == 1 for row in rows)
+        and all(e in (0, errno_module.EPERM) for e in errors)
+        and errno_module.EPERM in errors
+    )
+
+
+def _with_declared_tracer(group: Group, rows: Sequence[Sequence[int]], chain: list[int]) -> tuple[bool, Optional[str]]:
+    """Collective: every rank declares the ranks' nearest common ancestor its tracer, then the reads are tried again.
+
+    Returns:
+        Whether every rank now reads its peer, and this rank's reason if not.
+        A declaration that did not help is taken back.
+    """
+    ancestor = ptracer.nearest_common_ancestor([row[4:] for row in rows])
+    previous = ptracer.declared()
+    if ancestor is None:
+        why: Optional[str] = "Yama's ptrace_scope is 1 and the ranks share no ancestor process but init"
+    else:
+        why = ptracer.declare(ancestor, chain)
+    declared = all_gather_ints(group, [why is None])  # also: nobody reads before every rank has declared
+    if not all(row[0] for row in declared):
+        ptracer.undeclare(previous)
+        return False, why or "a peer could not declare its tracer"
+    _, why = _read_token(group, rows)
+    ok = all(row[0] for row in all_gather_ints(group, [why is None]))
+    if not ok:
+        ptracer.undeclare(previous)
+    return ok, why
 
 
 def _finish(group: Group, name: str, err: int) -> None:
