@@ -3,7 +3,7 @@
 Every layout change (``reshard``, ``shard_tensor``, ``gather``) is the same
 problem: source shards and target shards are boxes of one tensor, each
 placed on a rank. :func:`~shardwise._layout.plan.plan` works out, from
-metadata alone, a :class:`~shardwise._layout.plan.TransferPlan`: which
+metadata alone, a :class:`~shardwise._layout.plan_records.TransferPlan`: which
 intersection box each rank sends to each other rank, and how (sent from a
 view or packed, received into a view or unpacked, how many rounds). This
 module executes such plans and makes no decision of its own about them:
@@ -23,7 +23,7 @@ its own shards plus one send and one receive buffer. A target shard that
 arrives whole, in order (``recv_whole``), is the receive buffer itself (no
 allocation, no copy). :func:`redistribute` can also move the data in parts
 (slabs of the tensor's row-major order, or every stream between two ranks
-cut alike: :func:`~shardwise._layout.plan.slab_plans`), one all-to-all per
+cut alike: :func:`~shardwise._layout.plan_rounds.slab_plans`), one all-to-all per
 part (``rounds``; the plan says how many keep the buffers within the shard
 size), which is what ``reshard`` does on more than two ranks when the
 pieces are scattered; the parts' all-to-alls are asynchronous, so packing
@@ -48,14 +48,17 @@ from typing import TYPE_CHECKING, Any, Collection, Mapping, NoReturn, Optional, 
 import torch
 
 from shardwise._comm import box_moves, buffers, local_copy
-from shardwise._layout.plan import Piece, Run, TransferPlan, pairs_fit, plan, row_major_start, slab_plans
+from shardwise._layout.plan import plan
+from shardwise._layout.plan_records import Piece, Run, TransferPlan, row_major_start
+from shardwise._layout.plan_rounds import pairs_fit, slab_plans
 from shardwise._vocab.metadata import ShardedTensorMetadata
 from shardwise._vocab.shard import Shard
 
 if TYPE_CHECKING:
     from shardwise._comm.group import Group
 
-# Piece, TransferPlan, plan and row_major_start live in shardwise._layout.plan; re-exported for the callers here.
+# Piece, TransferPlan and row_major_start live in shardwise._layout.plan_records, plan in shardwise._layout.plan;
+# re-exported for the callers here.
 __all__ = [
     "Piece", "TransferPlan", "box", "describe", "execute", "executed_slabs", "match_sources", "plan", "read_direct",
     "receive_view", "redistribute", "row_major_start", "send_view",
@@ -114,7 +117,7 @@ def describe(pl: TransferPlan, wire_dtype: torch.dtype, parts: Sequence[Transfer
         pl: This rank's plan.
         wire_dtype: The dtype the data moves in (bytes are counted in it).
         parts: The plans of its rounds when it moves in parts
-            (:func:`~shardwise._layout.plan.slab_plans`); empty: one round.
+            (:func:`~shardwise._layout.plan_rounds.slab_plans`); empty: one round.
 
     Returns:
         For example ``rank 0 of 2, [8, 8] float32: keeps 1 piece (64 B); sends 1 piece {1: 64 B}
@@ -215,7 +218,7 @@ def receive_view(pl: TransferPlan, targets: Mapping[int, torch.Tensor], dtype: t
     a reshard target whose incoming rows are consecutive): no receive
     buffer, no unpacking copy. None also when that target is not in
     ``targets`` (the caller adopts the receive buffer as it, see
-    :attr:`~shardwise._layout.plan.TransferPlan.recv_whole`).
+    :attr:`~shardwise._layout.plan_records.TransferPlan.recv_whole`).
     """
     run = pl.recv_view
     if run is None or run.shard not in targets:
@@ -228,7 +231,7 @@ def unpack(pl: TransferPlan, flat: torch.Tensor, targets: Mapping[int, torch.Ten
 
     Pieces of a target missing from ``targets`` stay in ``flat`` (the caller
     adopts ``flat`` as that target, see
-    :attr:`~shardwise._layout.plan.TransferPlan.recv_whole`).
+    :attr:`~shardwise._layout.plan_records.TransferPlan.recv_whole`).
     """
     pos = 0
     for per_rank in pl.recv:
@@ -481,7 +484,7 @@ def redistribute(
             all-to-all's handshake).
         rounds: Keep the send and receive buffers that many times smaller
             than one all-to-all's (the same on every rank: the largest
-            :attr:`~shardwise._layout.plan.TransferPlan.rounds` of the
+            :attr:`~shardwise._layout.plan_records.TransferPlan.rounds` of the
             ranks' plans). Above 1 the data moves in twice that many
             parts (:func:`executed_slabs`), one asynchronous all-to-all
             each, the next part packed while the previous one travels.
@@ -532,7 +535,7 @@ def executed_slabs(pl: TransferPlan, rounds: int) -> tuple[TransferPlan, ...]:
     Two parts are in flight at once (:func:`_execute_overlapped`), so each is
     half the size that ``rounds`` parts would be; the plan's ``rounds``
     decision counted the buffers of every two consecutive ones of these
-    (:func:`~shardwise._layout.plan.slab_plans` says how they are cut).
+    (:func:`~shardwise._layout.plan_rounds.slab_plans` says how they are cut).
     """
     return (pl,) if rounds <= 1 else slab_plans(pl, rounds, 2 * rounds)
 
@@ -553,7 +556,7 @@ def _execute_overlapped(
     while it moves, the next part is packed, and only then is the previous
     one waited for and unpacked. Two parts' buffers are then alive at once,
     which is what the rounds decision bounds; where two consecutive parts
-    do not fit the budget together (:func:`~shardwise._layout.plan.pairs_fit`:
+    do not fit the budget together (:func:`~shardwise._layout.plan_rounds.pairs_fit`:
     a round count passed in below what the plan asked for, or streams too
     short to cut), each part is finished before the next is packed. Parts
     never receive into a whole target (their targets exist up front).

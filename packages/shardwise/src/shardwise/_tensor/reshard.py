@@ -4,7 +4,7 @@ The ranks agree on the spec and on the tensor they hold (a digest of its
 metadata, as :mod:`shardwise._tensor.scatter` does for the other verbs), then move
 each element once from its old owner to its new one
 (:func:`shardwise._layout.redistribute.redistribute`), in as many parts as keep
-every rank within twice its shard (:attr:`shardwise._layout.plan.TransferPlan.rounds`).
+every rank within twice its shard (:attr:`shardwise._layout.plan_records.TransferPlan.rounds`).
 The result lists its shards by rank, as torch 2.13's ``reshard`` does.
 
 The ranks compare the layout each built from its spec (a digest), not the
@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from shardwise._comm.group import Group
-from shardwise._layout.plan import MAX_ROUNDS
+from shardwise._layout.plan_rounds import MAX_ROUNDS
 from shardwise._layout.redistribute import match_sources, plan, redistribute
 from shardwise._tensor.layout_checks import SAME_TENSOR, build_target, check_same, layout_digest, spec_text
 from shardwise._tensor.placements import check_local_devices
