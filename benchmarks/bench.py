@@ -158,23 +158,24 @@ def cma_bandwidth(comm: Any, nbytes: int, repeats: int) -> float:
     """Bytes per second of one ``process_vm_readv`` of ``nbytes`` from the next rank, every rank reading at once.
 
     What shardwise's one-copy path between ranks on one host costs at best
-    (``shardwise._comm.local_copy``): the source is a huge-page buffer, as
-    shardwise's shards are. 0 where the kernel refuses the read.
+    (``shardwise._comm.local_copy``, reading by ``shardwise._comm.cross_memory``):
+    the source is a huge-page buffer, as shardwise's shards are. 0 where the
+    kernel refuses the read.
     """
-    from shardwise._comm import buffers, local_copy
+    from shardwise._comm import buffers, cross_memory
 
-    if local_copy.probe() is not None:
+    if cross_memory.probe() is not None:
         return 0.0
     src = buffers.empty((nbytes,), torch.uint8, torch.device("cpu")).fill_(1)
     dst = buffers.empty((nbytes,), torch.uint8, torch.device("cpu")).fill_(0)
     rank, size = comm.Get_rank(), comm.Get_size()
     peer = comm.allgather((os.getpid(), src.data_ptr()))[(rank + 1) % size]
-    runs = local_copy.runs([dst.data_ptr()], [peer[1]], [nbytes])
+    runs = cross_memory.runs([dst.data_ptr()], [peer[1]], [nbytes])
     times = []
     for _ in range(max(repeats, 5)):
         comm.Barrier()
         start = time.perf_counter()
-        local_copy._read_runs(peer[0], runs)
+        cross_memory.read_runs(peer[0], runs)
         times.append(time.perf_counter() - start)
     comm.Barrier()
     return nbytes / comm.allreduce(statistics.median(times), op=mpi().MAX)

@@ -51,7 +51,7 @@ from _timing import library_line, mpi, publish, script_args, time_all
 from bench import SMOKE, RawMPI, Sizes, _size, memcpy_bandwidth, places
 
 import shardwise
-from shardwise._comm import buffers, local_copy
+from shardwise._comm import buffers, cross_memory
 
 FRACTIONS = tuple(Fraction(k, 8) for k in range(9))
 #: The targets' factor (issue: within 1.5x of the memcpy floor, 1.5x faster than raw mpi4py).
@@ -68,14 +68,14 @@ class Copies:
     def __call__(self) -> None:
         self.local()
         for pid, runs, write in self.moves:
-            err = (local_copy._write_runs if write else local_copy._read_runs)(pid, runs)
+            err = (cross_memory.write_runs if write else cross_memory.read_runs)(pid, runs)
             if err:
                 raise OSError(err, f"cross-memory copy with pid {pid} failed: {os.strerror(err)}")
         self.comm.Barrier()
 
 
 def _runs(local: int, remote: int, nbytes: int) -> torch.Tensor:
-    return local_copy.runs([local], [remote], [nbytes])
+    return cross_memory.runs([local], [remote], [nbytes])
 
 
 def _nothing() -> None:
@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     group = shardwise.init("mpi")
     comm = mpi().COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
-    refused = local_copy.probe()
+    refused = cross_memory.probe()
     if refused is not None:
         if rank == 0:
             print(f"copy_bounds: cross-memory attach is not available here ({refused}); nothing to time")

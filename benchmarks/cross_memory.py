@@ -6,8 +6,8 @@ iovec and page by page, so the far side's page size and the number of its
 stretches set a copy's speed, while our own side costs little. This forks one
 peer process that holds the far-side buffers and times, in this process,
 ``process_vm_readv`` and ``process_vm_writev`` of 16 MiB (through shardwise's
-own iovec streaming, ``local_copy._read_runs``/``_write_runs``) beside a local
-``memcpy``. Linux only; median of 9 calls after 2 warm-up.
+own iovec streaming, ``shardwise._comm.cross_memory.read_runs``/``write_runs``)
+beside a local ``memcpy``. Linux only; median of 9 calls after 2 warm-up.
 
 Usage: ``python benchmarks/cross_memory.py [--smoke] [--out DIR]``
 (writes ``DIR/cross-memory.md``, default ``benchmarks/results``).
@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from shardwise._comm import local_copy
+from shardwise._comm import cross_memory
 
 MIB = 1 << 20
 HUGE = 2 << 20
@@ -85,10 +85,10 @@ def measure(nbytes: int, repeats: int) -> list[tuple[str, float]]:
         run = 8 << 10
 
         def read(runs: torch.Tensor) -> Callable[[], object]:
-            return lambda: local_copy._read_runs(pid, runs)
+            return lambda: cross_memory.read_runs(pid, runs)
 
         def write(runs: torch.Tensor) -> Callable[[], object]:
-            return lambda: local_copy._write_runs(pid, runs)
+            return lambda: cross_memory.write_runs(pid, runs)
 
         base = mine.data_ptr()
         cases = [
@@ -112,8 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="1 MiB and 2 repeats: checks that it runs")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args(argv)
-    if not sys.platform.startswith("linux") or local_copy.probe() is not None:
-        print(f"cross-memory attach is not available here: {local_copy.probe()}")
+    if not sys.platform.startswith("linux") or cross_memory.probe() is not None:
+        print(f"cross-memory attach is not available here: {cross_memory.probe()}")
         return 0
     nbytes, repeats = (MIB, 2) if args.smoke else (16 * MIB, 9)
     rows = measure(nbytes, repeats)

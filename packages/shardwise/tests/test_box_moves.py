@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import shardwise
-from shardwise._comm import box_moves, buffers, copy_rates, local_copy
+from shardwise._comm import box_moves, buffers, copy_rates, cross_memory, local_copy
 from shardwise._comm.copy_rates import SCALE
 
 from rank_helpers import box, run
@@ -151,8 +151,8 @@ def test_remote_runs_count_the_iovecs_the_copy_takes(data: Any, dims: int) -> No
         0, 1, 0, tuple(src_shape), tuple(src_start), 0, tuple(dst_shape), tuple(dst_start), tuple(sizes)
     )  # fmt: skip
     runs = box_moves.box_runs(b, 4, 1 << 20, 1 << 30)
-    dst_iovecs = local_copy._segments(runs[:, 0], runs[:, 2]).shape[0]
-    src_iovecs = local_copy._segments(runs[:, 1], runs[:, 2]).shape[0]
+    dst_iovecs = cross_memory._segments(runs[:, 0], runs[:, 2]).shape[0]
+    src_iovecs = cross_memory._segments(runs[:, 1], runs[:, 2]).shape[0]
     assert box_moves.remote_runs(b, pushed=False) == src_iovecs
     assert box_moves.remote_runs(b, pushed=True) == dst_iovecs
     assert box_moves.read_by_default(b) == (src_iovecs <= dst_iovecs)
@@ -192,7 +192,7 @@ def _layout_changes(cases: list[Case], page_cost: int, iovec_cost: int, measured
     g = shardwise.get_default_group()
     w = g.size
     calls = {"read": 0, "write": 0}
-    real = local_copy._read_runs, local_copy._write_runs
+    real = cross_memory.read_runs, cross_memory.write_runs
 
     def counted(kind: str, fn: Any) -> Any:
         def copy(pid: int, runs: torch.Tensor) -> int:
@@ -201,7 +201,7 @@ def _layout_changes(cases: list[Case], page_cost: int, iovec_cost: int, measured
 
         return copy
 
-    local_copy._read_runs, local_copy._write_runs = counted("read", real[0]), counted("write", real[1])
+    cross_memory.read_runs, cross_memory.write_runs = counted("read", real[0]), counted("write", real[1])
     try:
         for rows, cols, src_dim, dst_dim, src, dst, seed in cases:
             dense = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
@@ -213,7 +213,7 @@ def _layout_changes(cases: list[Case], page_cost: int, iovec_cost: int, measured
             st_.gather(dst=dst % w, out=out)
             assert out is None or torch.equal(out, dense), "gather"
     finally:
-        local_copy._read_runs, local_copy._write_runs = real
+        cross_memory.read_runs, cross_memory.write_runs = real
     return {**calls, "boxes": local_copy.stats.get("boxes", 0)}
 
 
@@ -268,18 +268,18 @@ def _scatter_writes_under(readings: dict[int, int]) -> dict[str, Any]:
     copy_rates.MIN_OBSERVED_BYTES = 1 << 62  # the scatter itself adds no reading
     assert local_copy.usable(shardwise.get_default_group())  # its probe (a tiny read and write) before counting
     writes = {"n": 0}
-    real = local_copy._write_runs
+    real = cross_memory.write_runs
 
     def counted(pid: int, runs: torch.Tensor) -> int:
         writes["n"] += 1
         return int(real(pid, runs))
 
-    local_copy._write_runs = counted
+    cross_memory.write_runs = counted
     try:
         dense = torch.randn(2048, 1024, generator=torch.Generator().manual_seed(5))
         st_ = shardwise.shard_tensor(dense, _spec(0, 2, 0), src_rank=0)
     finally:
-        local_copy._write_runs = real
+        cross_memory.write_runs = real
     _check(st_, dense, "shard_tensor")
     return {"writes": writes["n"], "published": published, "boxes": local_copy.stats.get("boxes", 0)}
 

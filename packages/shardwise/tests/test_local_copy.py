@@ -1,4 +1,4 @@
-"""One copy between ranks on one host: cross-memory attach (``shardwise._comm.local_copy``).
+"""One copy between ranks on one host: cross-memory attach (``shardwise._comm.local_copy``, ``cross_memory``).
 
 Every collective and layout change gives the same result with the one-copy
 path as with the backend's own (a group made with ``SHARDWISE_LOCAL_COPY=0``),
@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import shardwise
-from shardwise._comm import box_moves, local_collectives, local_copy
+from shardwise._comm import box_moves, cross_memory, local_collectives, local_copy
 from shardwise._comm.group import Group
 from shardwise.sharded_tensor import Shard, ShardedTensor
 
@@ -235,9 +235,9 @@ def test_only_ranks_on_one_host_copy_from_each_others_memory() -> None:
 
 def _refused_on_rank_1() -> dict[str, Any]:
     g = shardwise.get_default_group()
-    saved = local_copy._probed
+    saved = cross_memory._probed
     if g.rank == 1:
-        local_copy._probed = "process_vm_readv failed: EPERM (refused by the test)"
+        cross_memory._probed = "process_vm_readv failed: EPERM (refused by the test)"
     try:
         sub = g.new_group(list(range(g.size)))
         assert sub is not None
@@ -245,7 +245,7 @@ def _refused_on_rank_1() -> dict[str, Any]:
         gathered = sub.all_gather(torch.full((local_collectives.MIN_BYTES,), float(g.rank)))
         return {"used": _moved() > before, "values": [int(t[0]) for t in gathered]}
     finally:
-        local_copy._probed = saved
+        cross_memory._probed = saved
 
 
 def _hosts_known_on_one_rank_only() -> dict[str, Any]:
@@ -279,16 +279,16 @@ def _copy_fails_on_rank_0(kind: str) -> tuple[str, str]:
         spec = shardwise.ChunkShardingSpec(dim=0, placements=["rank:0/cpu", "rank:1/cpu"])
         call = lambda: shardwise.shard_tensor(torch.randn(1024, 1024), spec, src_rank=0, process_group=g)  # noqa: E731
     call()  # settle the verdict: cross-memory attach in use
-    name = f"_{kind}_runs"
-    real = getattr(local_copy, name)
+    name = f"{kind}_runs"
+    real = getattr(cross_memory, name)
     if g.rank == 0:
-        setattr(local_copy, name, lambda pid, runs: errno.ESRCH)
+        setattr(cross_memory, name, lambda pid, runs: errno.ESRCH)
     try:
         call()
     except Exception as exc:  # noqa: BLE001 - every rank reports its error
         return type(exc).__name__, str(exc)
     finally:
-        setattr(local_copy, name, real)
+        setattr(cross_memory, name, real)
     return "ok", ""
 
 
@@ -360,11 +360,11 @@ def test_the_probe_reports_a_refused_syscall(monkeypatch: pytest.MonkeyPatch) ->
         ctypes.set_errno(errno.EPERM)
         return -1
 
-    monkeypatch.setattr(local_copy, "_load", lambda: refused)
-    monkeypatch.setattr(local_copy, "_probed", None)
-    reason = local_copy.probe()
+    monkeypatch.setattr(cross_memory, "_load", lambda: refused)
+    monkeypatch.setattr(cross_memory, "_probed", None)
+    reason = cross_memory.probe()
     assert reason is not None and "EPERM" in reason
-    assert local_copy.probe() == reason  # once per process
+    assert cross_memory.probe() == reason  # once per process
 
 
 def _partial(limit: int) -> Callable[..., int]:
@@ -413,13 +413,13 @@ def test_boxes_are_read_run_by_run_into_the_target(shape: list[int], data: Any, 
     target = torch.full(target_shape, -1, dtype=torch.int16)
     box = box_moves.BoxMove(0, 0, 0, tuple(shape), tuple(start), 0, tuple(target_shape), tuple(at), tuple(sizes))
     runs = box_moves.box_runs(box, 2, source.data_ptr(), target.data_ptr())
-    saved = local_copy._readv, local_copy._IOV_MAX
+    saved = cross_memory._readv, cross_memory._IOV_MAX
     try:
         if partial is not None:
-            local_copy._readv, local_copy._IOV_MAX = _partial(partial), 2
-        assert local_copy._read_runs(os.getpid(), runs) == 0
+            cross_memory._readv, cross_memory._IOV_MAX = _partial(partial), 2
+        assert cross_memory.read_runs(os.getpid(), runs) == 0
     finally:
-        local_copy._readv, local_copy._IOV_MAX = saved
+        cross_memory._readv, cross_memory._IOV_MAX = saved
     expected = torch.full(target_shape, -1, dtype=torch.int16)
     region = tuple(slice(a, a + n) for a, n in zip(at, sizes, strict=True))
     expected[region] = source[tuple(slice(s, s + n) for s, n in zip(start, sizes, strict=True))]
@@ -443,13 +443,13 @@ def test_runs_that_continue_one_another_are_one_iovec_on_their_side(strided: str
         calls.append((lcount, rcount))
         return fake(pid, local, lcount, remote, rcount, flags)
 
-    saved = local_copy._readv, local_copy._IOV_MAX
+    saved = cross_memory._readv, cross_memory._IOV_MAX
     try:
-        local_copy._readv, local_copy._IOV_MAX = recording, 2
+        cross_memory._readv, cross_memory._IOV_MAX = recording, 2
         runs = box_moves.box_runs(box, 2, source.data_ptr(), target.data_ptr())
-        assert local_copy._read_runs(os.getpid(), runs) == 0
+        assert cross_memory.read_runs(os.getpid(), runs) == 0
     finally:
-        local_copy._readv, local_copy._IOV_MAX = saved
+        cross_memory._readv, cross_memory._IOV_MAX = saved
     # Four rows of 12 bytes, at most two iovecs a call on the split side: two calls, one iovec each on
     # the contiguous side.
     assert calls == ([(2, 1), (2, 1)] if strided == "target" else [(1, 2), (1, 2)])

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import shardwise
-from shardwise._comm import local_collectives, local_copy, ptracer
+from shardwise._comm import cross_memory, local_collectives, local_copy, ptracer
 
 from rank_helpers import run
 
@@ -25,7 +25,7 @@ from rank_helpers import run
 def _play_yama(marks: Path, scope: int, helps: bool = True) -> tuple[list[int], Callable[[], None]]:
     """Patch this rank's kernel view: Yama at ``scope``; returns the ``prctl`` values it was given, and an undo."""
     calls: list[int] = []
-    real = (ptracer.yama_scope, ptracer._prctl, local_copy._read_runs, local_copy._write_runs)
+    real = (ptracer.yama_scope, ptracer._prctl, cross_memory.read_runs, cross_memory.write_runs)
 
     def prctl(option: int, value: int) -> int:
         assert option == ptracer._PR_SET_PTRACER
@@ -45,11 +45,11 @@ def _play_yama(marks: Path, scope: int, helps: bool = True) -> tuple[list[int], 
 
     ptracer.yama_scope = lambda path=None: scope  # type: ignore[assignment]
     ptracer._prctl = prctl  # type: ignore[assignment]
-    local_copy._read_runs = guarded(real[2])  # type: ignore[assignment]
-    local_copy._write_runs = guarded(real[3])  # type: ignore[assignment]
+    cross_memory.read_runs = guarded(real[2])  # type: ignore[assignment]
+    cross_memory.write_runs = guarded(real[3])  # type: ignore[assignment]
 
     def undo() -> None:
-        ptracer.yama_scope, ptracer._prctl, local_copy._read_runs, local_copy._write_runs = real  # type: ignore[assignment]
+        ptracer.yama_scope, ptracer._prctl, cross_memory.read_runs, cross_memory.write_runs = real  # type: ignore[assignment]
 
     return calls, undo
 

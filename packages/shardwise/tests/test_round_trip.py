@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 import shardwise
 import shardwise.nn.functional as dist_f
 from shardwise import sdk
-from shardwise._comm import local_copy, round_trip
+from shardwise._comm import cross_memory, local_copy, round_trip
 
 from rank_helpers import group_without_local_copy, outcome, run
 
@@ -122,7 +122,7 @@ def _write_fails_on_rank_0() -> tuple[str, str]:
     g = shardwise.get_default_group()
     assert local_copy.usable(g)  # the verdict first: its probe writes too
     if g.rank == 0:
-        local_copy._write_runs = lambda pid, runs: errno.ESRCH  # type: ignore[assignment]
+        cross_memory.write_runs = lambda pid, runs: errno.ESRCH  # type: ignore[assignment]
     recv = [4, 4]
     trip = sdk.RoundTrip(g, _request(g.rank, 3), torch.empty(8, dtype=torch.float64), recv)
     assert trip.bind(g.agree(lambda: trip.fields, op="round trip", gather=True))
@@ -141,7 +141,7 @@ def _read_fails_on_rank_0() -> dict[str, Any]:
     g = shardwise.get_default_group()
     assert local_copy.usable(g)
     if g.rank == 0:
-        local_copy._read_runs = lambda pid, runs: errno.EPERM  # type: ignore[assignment]
+        cross_memory.read_runs = lambda pid, runs: errno.EPERM  # type: ignore[assignment]
     recv = [4, 4]
     trip = sdk.RoundTrip(g, _request(g.rank, 3), torch.empty(8, dtype=torch.float64), recv)
     assert trip.bind(g.agree(lambda: trip.fields, op="round trip", gather=True))

@@ -199,7 +199,7 @@ def remote_runs(box: BoxMove, pushed: bool) -> int:
     """How many iovecs the remote side of ``box`` takes: its source's when read, its target's when written.
 
     Runs that continue one another on a side merge into one iovec there
-    (:func:`shardwise._comm.local_copy._stream`), so a side's count is the
+    (:func:`shardwise._comm.cross_memory._stream`), so a side's count is the
     number of its row-major stretches the box covers.
     """
     shape = box.dst_shape if pushed else box.src_shape

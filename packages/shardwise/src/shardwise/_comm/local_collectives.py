@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
 
-from shardwise._comm import local_copy
+from shardwise._comm import cross_memory, local_copy
 from shardwise._comm.local_copy import Copy
 from shardwise._vocab.wire import shares_memory
 
@@ -80,7 +80,7 @@ def all_to_all(
         own.copy_(inp.view(-1)[send_at[me] // item : send_at[me] // item + in_counts[me]])
         base = _addr(out)
         return [
-            (rows[s][1], local_copy.runs([base + recv_at[s]], [rows[s][2] + rows[s][3 + me]], [out_counts[s] * item]))
+            (rows[s][1], cross_memory.runs([base + recv_at[s]], [rows[s][2] + rows[s][3 + me]], [out_counts[s] * item]))
             for s in range(group.size)
             if s != me and out_counts[s]
         ]
@@ -108,7 +108,7 @@ def scatter(
             assert inp is not None
             out.view(-1).copy_(inp.view(-1)[at[me] // item : at[me] // item + counts[me]])
             return []
-        return [(rows[src][1], local_copy.runs([_addr(out)], [rows[src][2] + at[me]], [counts[me] * item]))]
+        return [(rows[src][1], cross_memory.runs([_addr(out)], [rows[src][2] + at[me]], [counts[me] * item]))]
 
     return _move(group, "scatter", ok, [_addr(inp)], reads)
 
@@ -134,7 +134,7 @@ def gather(
         out.view(-1)[at[dst] // item : at[dst] // item + counts[dst]].copy_(inp.view(-1))
         base = _addr(out)
         return [
-            (rows[s][1], local_copy.runs([base + at[s]], [rows[s][2]], [counts[s] * item]))
+            (rows[s][1], cross_memory.runs([base + at[s]], [rows[s][2]], [counts[s] * item]))
             for s in range(group.size)
             if s != dst
         ]
@@ -158,7 +158,7 @@ def all_gather(group: Group, out: torch.Tensor, inp: torch.Tensor, counts: Seque
             out.view(-1)[at[me] // item : at[me] // item + counts[me]].copy_(inp.view(-1))
         base = _addr(out)
         return [
-            (rows[s][1], local_copy.runs([base + at[s]], [rows[s][2]], [counts[s] * item]))
+            (rows[s][1], cross_memory.runs([base + at[s]], [rows[s][2]], [counts[s] * item]))
             for s in range(group.size)
             if s != me
         ]
@@ -192,6 +192,6 @@ def broadcast(group: Group, tensor: torch.Tensor, src: int) -> bool:
                 f"broadcast: rank {group.rank} receives into {nbytes} bytes, but rank {src} sends {rows[src][3]}; "
                 "every rank must pass a tensor of the same size and dtype"
             )
-        return [(rows[src][1], local_copy.runs([_addr(tensor)], [rows[src][2]], [nbytes]))]
+        return [(rows[src][1], cross_memory.runs([_addr(tensor)], [rows[src][2]], [nbytes]))]
 
     return _move(group, "broadcast", local_copy.copyable(tensor), [_addr(tensor), nbytes], reads)

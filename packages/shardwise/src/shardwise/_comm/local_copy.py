@@ -14,23 +14,23 @@ in a window allocated up front (so a copy into it), and exist only for MPI.
 
 When it applies: the group's backend offers it (``Group._local_copy``), every
 rank of the group is on this host (:meth:`Group.hosts`), the kernel lets this
-process read its peers (checked once per group with a tiny read among the
-ranks, since seccomp or Yama's ``ptrace_scope`` may forbid it, and agreed
-across ranks so all take the same path; under ``ptrace_scope`` 1 the ranks
-declare their launcher their tracer and try again, :mod:`shardwise._comm.ptracer`), ``SHARDWISE_LOCAL_COPY`` is not
-``0``, and on each call every rank's tensors are contiguous CPU memory (the
-call's first all-gather carries each rank's verdict; any "no" sends every rank
-down the backend's own path). Ranks on several hosts always keep the
-backend's path. The users: the group's collectives
-(:mod:`shardwise._comm.local_collectives`) and layout changes
-(:mod:`shardwise._comm.box_moves`).
+process read its peers (checked once per process by
+:func:`shardwise._comm.cross_memory.probe`, then once per group with a tiny
+read among the ranks, since seccomp or Yama's ``ptrace_scope`` may forbid it,
+and agreed across ranks so all take the same path; under ``ptrace_scope`` 1
+the ranks declare their launcher their tracer and try again,
+:mod:`shardwise._comm.ptracer`), ``SHARDWISE_LOCAL_COPY`` is not ``0``, and on
+each call every rank's tensors are contiguous CPU memory (the call's first
+all-gather carries each rank's verdict; any "no" sends every rank down the
+backend's own path). Ranks on several hosts always keep the backend's path.
+The users: the group's collectives (:mod:`shardwise._comm.local_collectives`)
+and layout changes (:mod:`shardwise._comm.box_moves`).
 
 Protocol of one call (:func:`transfer`): one small all-gather of ``[ok, pid,
 addresses...]``; each rank reads its pieces from its peers (the
 collectives), or reads some and writes others into its peers' memory (layout
-changes, :mod:`shardwise._comm.box_moves`), by iovec lists of up to
-``IOV_MAX`` entries a side, runs that continue one another merged into one
-iovec, partial copies resumed; then one all-gather of each rank's error
+changes, :mod:`shardwise._comm.box_moves`), through the system calls of
+:mod:`shardwise._comm.cross_memory`; then one all-gather of each rank's error
 number, which is also the barrier that keeps a sender from reusing its buffer
 (and a receiver from using its result) before every peer is done: a failed
 copy (a peer gone: ``ESRCH``) raises :class:`~shardwise.errors.PeerLostError`
@@ -42,20 +42,18 @@ calls moved here (tests read it).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno as errno_module
 import hashlib
 import logging
 import os
-import sys
 import time
 import weakref
 from array import array
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Sequence, cast
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
-from shardwise._comm import copy_rates, ptracer
+from shardwise._comm import copy_rates, cross_memory, ptracer
 from shardwise._comm.agreement import mark_known_to_peers
 from shardwise._comm.hosts import this_host
 from shardwise._vocab.switches import switched_on
@@ -71,16 +69,12 @@ __all__ = [
     "all_gather_ints",
     "copyable",
     "enabled",
-    "probe",
-    "runs",
     "stats",
     "transfer",
     "usable",
 ]
 
 LOCAL_COPY_ENV = "SHARDWISE_LOCAL_COPY"
-#: Most iovecs one ``process_vm_readv`` takes (Linux's ``UIO_MAXIOV``).
-_IOV_MAX = 1024
 
 _log = logging.getLogger("shardwise.comm")
 
@@ -105,10 +99,6 @@ class _State:
 
 
 _states: weakref.WeakKeyDictionary[Any, _State] = weakref.WeakKeyDictionary()
-_readv: Optional[Callable[..., int]] = None
-_writev: Optional[Callable[..., int]] = None
-#: The probe's answer: None before it ran, "" when the syscall works, else why not.
-_probed: Optional[str] = None
 
 
 def copyable(*tensors: Optional[torch.Tensor]) -> bool:
@@ -135,60 +125,6 @@ def enabled() -> bool:
     return switched_on(LOCAL_COPY_ENV)
 
 
-def _syscall(name: str) -> Callable[..., int]:
-    libc = ctypes.CDLL(None, use_errno=True)
-    fn = getattr(libc, name)
-    fn.restype = ctypes.c_ssize_t
-    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
-    return cast(Callable[..., int], fn)
-
-
-def _load() -> Callable[..., int]:
-    """libc's ``process_vm_readv``, loaded on first use (no import-time side effects)."""
-    global _readv
-    if _readv is None:
-        _readv = _syscall("process_vm_readv")
-    return _readv
-
-
-def _load_writev() -> Callable[..., int]:
-    """libc's ``process_vm_writev``, loaded on first use."""
-    global _writev
-    if _writev is None:
-        _writev = _syscall("process_vm_writev")
-    return _writev
-
-
-def probe() -> Optional[str]:
-    """Why this process cannot use ``process_vm_readv`` (None: it can), found once by reading its own memory.
-
-    Reading a peer may still be refused (Yama's ``ptrace_scope``); the
-    per-group check reads from the peers themselves.
-    """
-    global _probed
-    if _probed is None:
-        if not sys.platform.startswith("linux"):
-            _probed = f"cross-memory attach is Linux only (this is {sys.platform})"
-        else:
-            try:
-                src, dst = (
-                    torch.arange(4, dtype=torch.int64, device="cpu"),
-                    torch.zeros(4, dtype=torch.int64, device="cpu"),
-                )
-                err = _read_runs(os.getpid(), runs([dst.data_ptr()], [src.data_ptr()], [32]))
-                ok = err == 0 and torch.equal(src, dst)
-                _probed = "" if ok else f"process_vm_readv failed: {_strerror(err)}"
-                if ok:
-                    # Layout changes also write into peers (box_moves): a seccomp filter may allow one call only.
-                    back = torch.zeros(4, dtype=torch.int64, device="cpu")
-                    err = _write_runs(os.getpid(), runs([src.data_ptr()], [back.data_ptr()], [32]))
-                    ok = err == 0 and torch.equal(src, back)
-                    _probed = "" if ok else f"process_vm_writev failed: {_strerror(err)}"
-            except (OSError, AttributeError) as exc:  # no libc, or a libc without the symbol
-                _probed = f"process_vm_readv is unavailable: {exc}"
-    return _probed or None
-
-
 #: The closing-round code of a rank whose own work raised during the copies or a round trip (not an error number).
 RAISED = -2
 
@@ -200,102 +136,6 @@ _CAUSES = {
     errno_module.EFAULT: "An address was not mapped, or not writable, in one of the processes: a buffer freed, "
     "resized or read-only while the call ran",
 }
-
-
-def _strerror(err: int) -> str:
-    return f"{errno_module.errorcode.get(err, str(err))} ({os.strerror(err)})" if err else "short read"
-
-
-# -- reading ---------------------------------------------------------------------
-
-
-def runs(local: Sequence[int], remote: Sequence[int], nbytes: Sequence[int]) -> torch.Tensor:
-    """An ``(n, 3)`` int64 table of (local address, remote address, bytes), dropping empty runs."""
-    table = torch.tensor([list(local), list(remote), list(nbytes)], dtype=torch.int64, device="cpu").t()
-    return table[table[:, 2] > 0] if table.numel() else table.reshape(0, 3)
-
-
-def _segments(addr: torch.Tensor, nbytes: torch.Tensor) -> torch.Tensor:
-    """``(addr, nbytes)`` runs as an ``(m, 2)`` iovec table, runs that continue one another merged."""
-    if addr.shape[0] > 1:
-        starts = addr[1:] != addr[:-1] + nbytes[:-1]
-        # Small tables are the common case, and each tensor op costs microseconds: merge only when some run
-        # continues the one before.
-        if not bool(starts.all()):
-            starts = torch.cat([torch.ones(1, dtype=torch.bool, device="cpu"), starts])
-            which = starts.cumsum(0) - 1
-            lengths = torch.zeros(int(which[-1]) + 1, dtype=torch.int64, device="cpu").index_add_(0, which, nbytes)
-            return torch.stack([addr[starts], lengths], dim=1)
-    return torch.stack([addr, nbytes], dim=1)
-
-
-def _window(segs: torch.Tensor, ends: torch.Tensor, begin: int, end: int) -> torch.Tensor:
-    """The iovecs of ``segs`` (cumulative byte ``ends``) that cover stream bytes ``[begin, end)``, trimmed to them."""
-    first = int(torch.searchsorted(ends, begin, right=True))
-    last = int(torch.searchsorted(ends, end, right=False))
-    out = segs[first : last + 1].clone()
-    skip = begin - (int(ends[first - 1]) if first else 0)
-    out[0, 0] += skip
-    out[0, 1] -= skip
-    out[-1, 1] -= int(ends[last]) - end
-    return out
-
-
-def _read_runs(pid: int, runs: torch.Tensor) -> int:
-    """Copy every run of ``runs`` from process ``pid``'s memory into ours; 0, or the errno of the failed read.
-
-    ``runs`` holds ``(local address, remote address, bytes)`` rows (see :func:`_stream`).
-    """
-    return _stream(_load(), pid, runs)
-
-
-def _write_runs(pid: int, runs: torch.Tensor) -> int:
-    """Copy every run of ``runs`` from our memory into process ``pid``'s; 0, or the errno of the failed write.
-
-    ``runs`` holds ``(local address, remote address, bytes)`` rows: the local side is the source here.
-    """
-    return _stream(_load_writev(), pid, runs)
-
-
-def _stream(fn: Callable[..., int], pid: int, runs: torch.Tensor) -> int:
-    """Copy every run of ``runs`` between this process and ``pid`` with ``fn`` (readv or writev); 0, or an errno.
-
-    Runs that continue one another on one side become one iovec there
-    (the other side may stay split): the kernel pins remote memory iovec by
-    iovec, and a box whose rows are back to back in the peer's shard but
-    strided in ours (or the reverse) reads about twice as fast so. Both
-    sides are one stream of bytes, cut into calls of at most ``_IOV_MAX``
-    iovecs a side; a partial read resumes at the first byte not read.
-    """
-    total = int(runs[:, 2].sum()) if runs.shape[0] else 0
-    if total == 0:
-        return 0
-    local, remote = _segments(runs[:, 0], runs[:, 2]), _segments(runs[:, 1], runs[:, 2])
-    done = 0
-    if local.shape[0] <= _IOV_MAX and remote.shape[0] <= _IOV_MAX:
-        # Both sides fit one call (the common case): no windows to cut. A partial copy resumes below.
-        done = fn(pid, local.data_ptr(), local.shape[0], remote.data_ptr(), remote.shape[0], 0)
-        if done <= 0:
-            return (ctypes.get_errno() or errno_module.EIO) if done < 0 else errno_module.EFAULT
-        if done == total:
-            return 0
-    local_ends, remote_ends = local[:, 1].cumsum(0), remote[:, 1].cumsum(0)
-    while done < total:
-        # The call stops where either side runs out of iovecs.
-        first_l = int(torch.searchsorted(local_ends, done, right=True))
-        first_r = int(torch.searchsorted(remote_ends, done, right=True))
-        end = min(
-            int(local_ends[min(first_l + _IOV_MAX, local.shape[0]) - 1]),
-            int(remote_ends[min(first_r + _IOV_MAX, remote.shape[0]) - 1]),
-        )
-        lv, rv = _window(local, local_ends, done, end), _window(remote, remote_ends, done, end)
-        got = fn(pid, lv.data_ptr(), lv.shape[0], rv.data_ptr(), rv.shape[0], 0)
-        if got < 0:
-            return ctypes.get_errno() or errno_module.EIO
-        if got == 0:
-            return errno_module.EFAULT
-        done += got
-    return 0
 
 
 # -- agreement -------------------------------------------------------------------
@@ -368,7 +208,7 @@ def _agree_verdict(group: Group) -> bool:
     if not one_host:
         _log.debug("%r: ranks on several hosts, keeping the backend's path", group)
         return False
-    reason = probe() if enabled() else f"{LOCAL_COPY_ENV}=0"
+    reason = cross_memory.probe() if enabled() else f"{LOCAL_COPY_ENV}=0"
     scope = ptracer.yama_scope()
     chain = ptracer.ancestry() if reason is None and scope == 1 else []
     token = torch.tensor([os.getpid(), group.rank, _TOKEN], dtype=torch.int64, device="cpu")
@@ -395,10 +235,10 @@ def _read_token(group: Group, rows: Sequence[Sequence[int]]) -> tuple[int, Optio
     """Read the next rank's token: proves the kernel lets this process read a peer's memory (error, why not)."""
     peer = (group.rank + 1) % group.size
     got = torch.zeros(3, dtype=torch.int64, device="cpu")
-    err = _read_runs(rows[peer][1], runs([got.data_ptr()], [rows[peer][2]], [24]))
+    err = cross_memory.read_runs(rows[peer][1], cross_memory.runs([got.data_ptr()], [rows[peer][2]], [24]))
     if err == 0 and got.tolist() != [rows[peer][1], peer, _TOKEN]:
         err = errno_module.EIO
-    return err, (f"reading rank {peer}'s memory failed: {_strerror(err)}" if err else None)
+    return err, (f"reading rank {peer}'s memory failed: {cross_memory.strerror(err)}" if err else None)
 
 
 def _yama_may_allow(rows: Sequence[Sequence[int]], verdicts: Sequence[Sequence[int]]) -> bool:
@@ -451,7 +291,7 @@ def _settled(group: Group, name: str, errors: Sequence[int]) -> None:
             "of their own during the copies (they raise it); no rank's result of this call is valid"
         )
     if failed:
-        where = ", ".join(f"rank {r}: {_strerror(e)}" for r, e in failed)
+        where = ", ".join(f"rank {r}: {cross_memory.strerror(e)}" for r, e in failed)
         cause = _CAUSES.get(failed[0][1], "A peer has probably died")
         if any(e == errno_module.ESRCH for _, e in failed):
             after = "the group cannot be used any more"
@@ -524,7 +364,7 @@ def transfer(
         try:
             for copy in copies(rows):
                 started = time.perf_counter()
-                err = err or (_write_runs if copy.write else _read_runs)(copy.pid, copy.runs)
+                err = err or (cross_memory.write_runs if copy.write else cross_memory.read_runs)(copy.pid, copy.runs)
                 if copy.observe is not None and not err:
                     copy_rates.observe(*copy.observe, time.perf_counter() - started)
         except Exception as exc:

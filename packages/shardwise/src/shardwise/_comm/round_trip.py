@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any, Sequence, cast
 
 import torch
 
-from shardwise._comm import local_copy
+from shardwise._comm import cross_memory, local_copy
 from shardwise._comm.autograd import _AllToAllSingle
 from shardwise.errors import CollectiveMismatchError, PeerError, PeerLostError
 
@@ -165,8 +165,8 @@ class RoundTrip:
                 if row[4] != _dtype_code(out.dtype):
                     self._err = _MISMATCH
                 else:
-                    runs = local_copy.runs([out.data_ptr() + at * item], [row[2]], [n * item])
-                    self._err = local_copy._read_runs(row[1], runs)
+                    runs = cross_memory.runs([out.data_ptr() + at * item], [row[2]], [n * item])
+                    self._err = cross_memory.read_runs(row[1], runs)
             at += n
         if self._err:
             self._close()  # raises, on this rank now and on the peers at their closing round
@@ -203,11 +203,11 @@ class RoundTrip:
                 self.box[start : start + n].copy_(flat[at : at + n])
             elif n:
                 offset = sum(row[_HEAD : _HEAD + me]) * item
-                writes.append((row[1], local_copy.runs([flat.data_ptr() + at * item], [row[5] + offset], [n * item])))
+                writes.append((row[1], cross_memory.runs([flat.data_ptr() + at * item], [row[5] + offset], [n * item])))
             at += n
         if not self._err:
             for pid, runs in writes:
-                self._err = local_copy._write_runs(pid, runs)
+                self._err = cross_memory.write_runs(pid, runs)
                 if self._err:
                     break
         self._close()
