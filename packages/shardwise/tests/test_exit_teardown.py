@@ -25,6 +25,7 @@ import gc
 import json
 import os
 import sys
+import threading
 from pathlib import Path
 from types import TracebackType
 from typing import Optional
@@ -34,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 import shardwise
+from shardwise._comm.work import Work
 from shardwise._session import runtime
 from shardwise.errors import LaunchError, PeerLostError
 from shardwise.torch_group import TorchGroup
@@ -126,6 +128,26 @@ def test_exit_handler_releases_the_group_without_waiting_for_peers(monkeypatch: 
     assert not shardwise.is_initialized() and not dist.is_initialized()
     assert _threads() == before
     runtime._at_exit()  # a second call finds nothing to do
+
+
+def test_exit_handler_finishes_a_subgroups_queued_collectives() -> None:
+    # Every rank issued them, so every rank must run them: a sub-group's finalizer alone would drop the ones
+    # its worker had not started, and a peer whose worker had started them would wait for this rank.
+    group = _init()
+    sub = group.new_group([0])
+    assert isinstance(sub, TorchGroup)
+    sub.all_reduce(torch.ones(2), async_op=True).wait()  # starts the sub-group's worker
+    worker = sub._worker
+    assert worker is not None
+    gate = threading.Event()
+    # Queued straight on the worker: a collective's own handshake would wait for the running one.
+    running = worker.submit(Work("all_reduce", "rank 0 of 1"), lambda: gate.wait(30), None)
+    queued = worker.submit(Work("broadcast", "rank 0 of 1"), lambda: "ran", None)
+    threading.Timer(0.2, gate.set).start()
+    runtime._at_exit()
+    assert running.is_completed() and queued.is_completed()
+    assert running.wait() is True and queued.wait() == "ran"
+    assert worker._thread is not None and not worker._thread.is_alive()
 
 
 def test_exit_handler_frees_what_the_fatal_exceptions_frames_hold(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -210,10 +210,13 @@ def _agree_verdict(group: Group) -> bool:
         return False
     reason = cross_memory.probe() if enabled() else f"{LOCAL_COPY_ENV}=0"
     scope = ptracer.yama_scope()
-    chain = ptracer.ancestry() if reason is None and scope == 1 else []
+    # Under Yama's scope 1 each rank publishes its parent and whether its PID namespace is a container's.
+    yama = reason is None and scope == 1 and ptracer.proc_is_own()
+    chain = ptracer.ancestry() if yama else []
     token = torch.tensor([os.getpid(), group.rank, _TOKEN], dtype=torch.int64, device="cpu")
     padded = chain + [0] * (ptracer.ANCESTRY_DEPTH - len(chain))
-    rows = all_gather_ints(group, [reason is None, os.getpid(), token.data_ptr(), scope, *padded])
+    own_init = yama and ptracer.in_child_pid_namespace()
+    rows = all_gather_ints(group, [reason is None, os.getpid(), token.data_ptr(), scope, own_init, *padded])
     err = 0
     if all(row[0] for row in rows):
         err, reason = _read_token(group, rows)
@@ -252,26 +255,30 @@ def _yama_may_allow(rows: Sequence[Sequence[int]], verdicts: Sequence[Sequence[i
 
 
 def _with_declared_tracer(group: Group, rows: Sequence[Sequence[int]], chain: list[int]) -> tuple[bool, Optional[str]]:
-    """Collective: every rank declares the ranks' nearest common ancestor its tracer, then the reads are tried again.
+    """Collective: every rank declares the ranks' launcher its tracer, then the reads are tried again.
 
     Returns:
         Whether every rank now reads its peer, and this rank's reason if not.
         A declaration that did not help is taken back.
     """
-    ancestor = ptracer.nearest_common_ancestor([row[4:] for row in rows])
-    previous = ptracer.declared()
+    ancestor = ptracer.nearest_common_ancestor([row[5:] for row in rows], init_allowed=all(row[4] for row in rows))
     if ancestor is None:
-        why: Optional[str] = "Yama's ptrace_scope is 1 and the ranks share no ancestor process but init"
+        why: Optional[str] = (
+            "Yama's ptrace_scope is 1 and no one process (other than init) is the parent of every rank, "
+            "so there is no launcher to declare their tracer"
+        )
+        done = ptracer.Declared(why, None, None)
     else:
-        why = ptracer.declare(ancestor, chain)
+        done = ptracer.declare(ancestor, chain)
+        why = done.why
     declared = all_gather_ints(group, [why is None])  # also: nobody reads before every rank has declared
     if not all(row[0] for row in declared):
-        ptracer.undeclare(previous)
+        ptracer.undeclare(done.before, done.after)
         return False, why or "a peer could not declare its tracer"
     _, why = _read_token(group, rows)
     ok = all(row[0] for row in all_gather_ints(group, [why is None]))
     if not ok:
-        ptracer.undeclare(previous)
+        ptracer.undeclare(done.before, done.after)
     return ok, why
 
 

@@ -31,11 +31,12 @@ import collections
 import contextvars
 import logging
 import threading
+import weakref
 from typing import Any, Callable, Generic, Optional, TypeVar
 
 import torch
 
-__all__ = ["Work", "Worker", "chain"]
+__all__ = ["Work", "Worker", "chain", "finish_all"]
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -199,6 +200,7 @@ class Worker:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
                 self._thread.start()
+                _started.add(self)
                 logger.debug("started %s", self._name)
             self._cond.notify_all()
         return work
@@ -233,6 +235,7 @@ class Worker:
             if self._closed is not None:
                 return
             self._closed = reason
+            _started.discard(self)
             dropped = list(self._queue)  # not started; a running one is no longer queued
             self._queue.clear()
             self._busy -= len(dropped)
@@ -280,3 +283,23 @@ class Worker:
                 self._busy -= 1
                 self._cond.notify_all()
             del work, move, context, value, error
+
+
+#: Every worker whose thread started and that is not closed yet: what :func:`finish_all` finishes.
+_started: weakref.WeakSet[Worker] = weakref.WeakSet()
+
+
+def finish_all(reason: str) -> None:
+    """Let every started worker finish its queued collectives, then stop and join it (a process's normal end).
+
+    The default group's worker is finished by its own teardown; this also
+    reaches the sub-groups' workers, whose groups are otherwise closed by
+    their finalizers, which drop what is queued: a sub-group's collectives
+    still queued at exit would then run on the ranks whose workers had
+    started them and not on the others.
+
+    Args:
+        reason: Why, for later :meth:`Worker.submit` calls.
+    """
+    for worker in list(_started):
+        worker.close(reason, drain=True)

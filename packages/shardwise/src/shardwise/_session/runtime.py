@@ -34,6 +34,7 @@ from shardwise._comm.default_group import (
     set_default_group,
 )
 from shardwise._comm.group import Group
+from shardwise._comm.work import finish_all
 from shardwise._registry import access as plugins
 from shardwise._registry.records import Backend, LaunchInfo
 from shardwise._session.launchers import detect_launch
@@ -342,12 +343,14 @@ def _finish_queued_quietly(group: Group) -> None:
     freeing a finished collective's tensors when the interpreter finalizes
     aborts the process ("terminate called without an active exception").
     Not done for a rank dying of an uncaught exception, which must exit at
-    once.
+    once. The sub-groups' workers are finished too (after the default
+    group's), which their finalizers would not do.
     """
-    try:
-        group._stop_async(drain=True)
-    except Exception as exc:  # noqa: BLE001 - the process is ending; the release below still runs
-        _log.warning("shardwise: finishing queued collectives at exit failed: %s: %s", type(exc).__name__, exc)
+    for finish in (lambda: group._stop_async(drain=True), lambda: finish_all("the process is ending")):
+        try:
+            finish()
+        except Exception as exc:  # noqa: BLE001 - the process is ending; the release below still runs
+            _log.warning("shardwise: finishing queued collectives at exit failed: %s: %s", type(exc).__name__, exc)
 
 
 def _clear_failure_frames() -> None:
