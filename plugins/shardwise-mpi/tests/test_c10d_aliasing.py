@@ -74,7 +74,12 @@ EVERY_RANK = (
     "object collectives with uneven sizes",
 )
 # Checks only the gathering root (the last rank) can make.
-ROOT_ONLY = ("gather input is one of the root's outputs", "gather from a column", "gatherv root's input is its slot")
+ROOT_ONLY = (
+    "gather input is one of the root's outputs",
+    "gather from a column",
+    "gather outputs overlap one another",
+    "gatherv root's input is its slot",
+)
 
 
 @needs_mpiexec

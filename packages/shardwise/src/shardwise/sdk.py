@@ -14,7 +14,9 @@ What is here:
   :func:`reset_peak`). A plugin that moves data allocates through it so the
   memory bounds the core promises hold for plugin ops too.
   :func:`shares_memory` is the one test of whether two tensors may alias
-  (by address span), for collectives that must copy an aliased input first.
+  (by address span), for collectives that must copy an aliased input first;
+  :func:`overlapping` applies it to a whole list at once (one output per
+  rank) in O(n log n) instead of over every pair.
 * **reduce ops** — :data:`REDUCE_OPS` (the names every backend accepts),
   :data:`BITWISE_REDUCE_OPS` (torch's bitwise ones, for backends of torch's
   process-group API) and :func:`normalize_reduce_op` (``"sum"``, ``torch.distributed.ReduceOp.SUM``,
@@ -61,7 +63,7 @@ from shardwise._comm.local_collectives import gather as local_gather
 from shardwise._comm.local_collectives import scatter as local_scatter
 from shardwise._comm.round_trip import RoundTrip
 from shardwise._comm.work import Work
-from shardwise._vocab.wire import BITWISE_REDUCE_OPS, REDUCE_OPS, normalize_reduce_op, shares_memory
+from shardwise._vocab.wire import BITWISE_REDUCE_OPS, REDUCE_OPS, normalize_reduce_op, overlapping, shares_memory
 
 __all__ = [
     "AGREED_ERRORS",
@@ -80,6 +82,7 @@ __all__ = [
     "local_gather",
     "local_scatter",
     "normalize_reduce_op",
+    "overlapping",
     "peak_new_bytes",
     "reset_peak",
     "resolve_group",

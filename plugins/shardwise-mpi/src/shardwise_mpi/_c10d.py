@@ -391,7 +391,7 @@ class MpiProcessGroup(dist.ProcessGroup):
             raise ValueError(f"gather: the root needs {self.size()} output tensors, got {len(outs)}")
         side = self._side()
         with self._watch("gather"):
-            gather_list(_mpi(), side, outs, inp, opts.rootRank, self._C.overlaps)
+            gather_list(_mpi(), side, outs, inp, opts.rootRank, self._C.overlaps, self._C.overlapping)
         return _completed(output_lists)
 
     def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any) -> Any:

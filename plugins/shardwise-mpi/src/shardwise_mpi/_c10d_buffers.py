@@ -259,6 +259,7 @@ def gather_list(
     inp: torch.Tensor,
     root: int,
     overlaps: Callable[..., bool],
+    overlapping: Callable[[Sequence[torch.Tensor]], list[bool]],
 ) -> None:
     """``outs[r]`` on ``root`` = rank r's ``inp``, each received where it goes (no staging buffer).
 
@@ -275,7 +276,7 @@ def gather_list(
     own = inp.detach()
     if _overlaps_any(own, outs, overlaps):
         own = own.clone()  # outputs may be written before it is read
-    direct = [_receivable(o, inp.dtype) and not _overlaps_any(o, outs, overlaps) for o in outs]
+    direct = [_receivable(o, inp.dtype) and not shared for o, shared in zip(outs, overlapping(outs), strict=True)]
     targets = [
         o.detach() if ok else torch.empty(o.numel(), dtype=inp.dtype) for o, ok in zip(outs, direct, strict=True)
     ]

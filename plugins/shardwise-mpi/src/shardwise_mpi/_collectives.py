@@ -83,6 +83,7 @@ __all__ = [
     "gatherv",
     "mpi_datatype",
     "normalize_op",
+    "overlapping",
     "overlaps",
     "reduce_scatter",
     "reduction_dtype",
@@ -260,6 +261,8 @@ def _target(t: torch.Tensor, dtype: Optional[torch.dtype] = None) -> tuple[torch
 
 #: Whether two tensors may share memory (by address span): the core's one rule.
 overlaps = sdk.shares_memory
+#: For each tensor of a list, whether it may share memory with another (the same rule, in O(n log n)).
+overlapping = sdk.overlapping
 
 
 def _is_slot(part: torch.Tensor, whole: torch.Tensor, offset: int) -> bool:

@@ -295,6 +295,16 @@ def main() -> None:
     dist.gather(grid[:, 0], parts, dst=root)
     if parts is not None:
         check("gather from a column", torch.cat(parts), gathered)
+    # Outputs that overlap one another (the first reaches one element into the second): staged, copied in rank order.
+    wide = torch.full((n * k + 1,), -1.0)
+    outs = [wide[1 : k + 1]] + [wide[r * k : r * k + k] for r in range(1, n)]
+    dist.gather(mine(rank), outs if rank == root else None, dst=root)
+    if rank == root:
+        want = torch.full((n * k + 1,), -1.0)
+        want[1 : k + 1] = mine(0)
+        for r in range(1, n):
+            want[r * k : r * k + k] = mine(r)
+        check("gather outputs overlap one another", wide, want)
 
     # --- all_to_all_single in place and overlapping ----------------------------------
     def a2a_in(r: int) -> torch.Tensor:

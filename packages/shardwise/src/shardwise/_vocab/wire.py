@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -25,6 +25,7 @@ __all__ = [
     "from_bytes",
     "from_wire",
     "normalize_reduce_op",
+    "overlapping",
     "shares_memory",
     "to_bytes",
     "to_wire",
@@ -184,6 +185,29 @@ def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     a0, a1 = _span(a)
     b0, b1 = _span(b)
     return a0 < b1 and b0 < a1
+
+
+def overlapping(tensors: Sequence[torch.Tensor]) -> list[bool]:
+    """For each of ``tensors``, whether it may share memory with another of them (:func:`shares_memory`'s test).
+
+    The answers of :func:`shares_memory` on every pair, in O(n log n): a
+    collective's list of one tensor per rank is tested on every call, and
+    its pairs grow with the square of the ranks. A tensor listed twice
+    shares memory with its other entry.
+    """
+    flags = [False] * len(tensors)
+    by_device: dict[torch.device, list[tuple[int, int, int]]] = {}
+    for i, t in enumerate(tensors):
+        if t.numel():
+            by_device.setdefault(t.device, []).append((*_span(t), i))
+    for spans in by_device.values():
+        spans.sort()
+        reach = -1  # the furthest end of the spans that start no later than this one
+        for k, (start, end, i) in enumerate(spans):
+            # An earlier span reaching past this start, or the next span starting before this end.
+            flags[i] = start < reach or (k + 1 < len(spans) and spans[k + 1][0] < end)
+            reach = max(reach, end)
+    return flags
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
