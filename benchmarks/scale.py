@@ -9,6 +9,13 @@ Three costs that grow with the number of shards, each timed side by side
 - validation: torch's ``validate_non_overlapping_shards_metadata`` +
   ``check_tensor`` against shardwise's ``validate_layout``, for ``rows``,
   ``columns`` (every shard spans dim 0), ``grid`` and ``grid3d`` layouts;
+- overlap check of layouts that tile nothing: torch's
+  ``validate_non_overlapping_shards_metadata`` against shardwise's
+  ``validate_non_overlapping`` for ``split3d`` (a cube split at random
+  places along all three dims, one shard in 20 missing) and ``slabs3d``
+  (three stacked blocks of slabs, thin along each dim in turn, one slab
+  missing), where neither the corner test nor the elementary cells apply
+  and shardwise takes its segment trees;
 - reshard plan: a ChunkShardingSpec dim 0 -> dim 1 reshard over W ranks,
   one rank's plan: torch's ``build_reshard_metadata`` (its metadata only; its
   split sizes come later, from tensors) against shardwise's ``plan`` (every
@@ -51,7 +58,7 @@ from validation import LAYOUTS, _time  # noqa: E402  (the benchmark next door: s
 from shardwise import ShardMetadata  # noqa: E402
 from shardwise._layout.plan import plan  # noqa: E402
 from shardwise._modules.load_plan import IndexCache, read_items  # noqa: E402
-from shardwise._vocab.validation import validate_layout  # noqa: E402
+from shardwise._vocab.validation import validate_layout, validate_non_overlapping  # noqa: E402
 from shardwise.sharding_spec import ChunkShardingSpec  # noqa: E402
 
 Row = tuple[str, str, int, Optional[float], float]  # (section, case, shards, torch s, shardwise s)
@@ -89,6 +96,55 @@ def _validation(counts: list[int], budget: float, limit: float) -> list[Row]:
                 last = (len(boxes), got["torch"])
             rows.append(("validation", name, len(boxes), got.get("torch"), got["shardwise"]))
             print(_line(rows[-1]), flush=True)
+    return rows
+
+
+def _split3d(n: int) -> list[tuple[list[int], list[int]]]:
+    """A cube split n-1 times, each time a random shard along a random dim at a random place; every 20th dropped."""
+    rnd = random.Random(n)
+    boxes = [([0, 0, 0], [1 << 20] * 3)]
+    while len(boxes) < n:
+        k = rnd.randrange(len(boxes))
+        lo, size = boxes[k]
+        d = max(range(3), key=lambda e: size[e] * rnd.random())
+        if size[d] < 2:
+            continue
+        cut = rnd.randrange(1, size[d])
+        upper = ([x + cut * (e == d) for e, x in enumerate(lo)], [z - cut * (e == d) for e, z in enumerate(size)])
+        boxes[k] = (lo, [cut if e == d else z for e, z in enumerate(size)])
+        boxes.append(upper)
+    return [box for k, box in enumerate(boxes) if k % 20 != 19]
+
+
+def _slabs3d(n: int) -> list[tuple[list[int], list[int]]]:
+    """n/3 slabs thin along dim 0, then as many along dim 1, then along dim 2, stacked along dim 2; one missing."""
+    m = max(1, n // 3)
+    boxes = []
+    for i in range(m):
+        boxes += [([i, 0, 0], [1, m, m]), ([0, i, m], [m, 1, m]), ([0, 0, 2 * m + i], [m, m, 1])]
+    del boxes[len(boxes) // 2]
+    return boxes
+
+
+def _overlap(counts: list[int], budget: float, limit: float) -> list[Row]:
+    rows: list[Row] = []
+    for name, make in (("split3d", _split3d), ("slabs3d", _slabs3d)):
+        last: Optional[tuple[int, float]] = None
+        for n in counts:
+            boxes = make(n)
+            random.Random(n).shuffle(boxes)
+            ours = [ShardMetadata(o, s, "rank:0/cpu") for o, s in boxes]
+            theirs = [TorchShardMetadata(o, s, "rank:0/cpu") for o, s in boxes]
+            calls: dict[str, Callable[[], Any]] = {"shardwise": functools.partial(validate_non_overlapping, ours)}
+            # torch's sweep is quadratic on these: skip a cell whose estimate is past the limit.
+            if last is None or last[1] * (len(boxes) / last[0]) ** 2 <= limit:
+                calls["torch"] = functools.partial(validate_non_overlapping_shards_metadata, theirs)
+            got = _time(calls, budget)
+            if "torch" in got:
+                last = (len(boxes), got["torch"])
+            rows.append(("overlap check, no tiling", name, len(boxes), got.get("torch"), got["shardwise"]))
+            print(_line(rows[-1]), flush=True)
+            gc.collect()
     return rows
 
 
@@ -251,6 +307,7 @@ def main() -> None:
     print("\n".join(header), flush=True)
     start = time.perf_counter()
     rows = _validation(counts, budget, 2.0 if quick else args.torch_limit)
+    rows += _overlap(counts, budget, 2.0 if quick else args.torch_limit)
     rows += _reshard(worlds, budget)
     rows += _checkpoint(grids, tensors, budget)
     targets = _targets(rows, quick)

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from shardwise._vocab import validation as _validation
 from shardwise._vocab import validation_sweep as _sweeps
+from shardwise._vocab import validation_tree as _trees
 from shardwise._vocab.metadata import ShardMetadata
 from shardwise._vocab.validation import check_covering, find_overlap, validate_layout, validate_non_overlapping
 
@@ -136,7 +137,7 @@ def test_layout_matches_brute_force(few: int, case: tuple[list[ShardMetadata], l
 @settings(max_examples=200, deadline=None)
 @given(shard_sets())
 def test_sweep_fallback_matches_cells(case: tuple[list[ShardMetadata], list[int]]) -> None:
-    # The cell check's budget exhausted: the sweep must find the same answer.
+    # The cell check's budget exhausted: the segment trees must find the same answer.
     shards, _ = case
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(_validation, "_FEW", 0)
@@ -246,6 +247,93 @@ def test_each_sweep_matches_every_pair_compared(columns: tuple[list[list[int]], 
         assert (pair is not None) == expected, (pair, starts, sizes)
         if pair is not None:
             assert _pair_overlaps(starts, sizes, pair)
+
+
+@st.composite
+def _many_boxes(draw: st.DrawFn) -> tuple[list[list[int]], list[list[int]]]:
+    """Up to 80 non-empty boxes in 1 to 4 dims: random, or a k-d split of a cube with some boxes dropped or grown."""
+    ndim = draw(st.integers(1, 4))
+    if draw(st.booleans()):
+        n = draw(st.integers(1, 80))
+        extent = draw(st.sampled_from([4, 12, 40]))
+        starts = [draw(st.lists(st.integers(0, extent), min_size=n, max_size=n)) for _ in range(ndim)]
+        sizes = [draw(st.lists(st.integers(1, extent), min_size=n, max_size=n)) for _ in range(ndim)]
+        return starts, sizes
+    boxes = [([0] * ndim, [12] * ndim)]
+    for _ in range(draw(st.integers(0, 60))):
+        k = draw(st.integers(0, len(boxes) - 1))
+        d = draw(st.integers(0, ndim - 1))
+        lo, size = boxes[k]
+        if size[d] < 2:
+            continue
+        cut = draw(st.integers(1, size[d] - 1))
+        upper = ([x + cut * (e == d) for e, x in enumerate(lo)], [z - cut * (e == d) for e, z in enumerate(size)])
+        boxes[k] = (lo, [cut if e == d else z for e, z in enumerate(size)])
+        boxes.append(upper)
+    boxes = [box for box in boxes if not draw(st.booleans()) or len(boxes) < 3] or boxes  # gaps: no tiling
+    if draw(st.booleans()):
+        k, d = draw(st.integers(0, len(boxes) - 1)), draw(st.integers(0, ndim - 1))
+        boxes[k][1][d] += draw(st.integers(1, 3))  # may now reach a neighbour
+    boxes = draw(st.permutations(boxes))
+    return [[lo[d] for lo, _ in boxes] for d in range(ndim)], [[z[d] for _, z in boxes] for d in range(ndim)]
+
+
+@pytest.mark.parametrize("few", [(1, 0), (_trees._FEW, _trees._FEW_PAIRS)], ids=["trees-only", "default-cutoffs"])
+@settings(max_examples=300, deadline=None)
+@given(columns=_many_boxes())
+def test_segment_trees_match_every_pair_compared(
+    few: tuple[int, int], columns: tuple[list[list[int]], list[list[int]]]
+) -> None:
+    # Cut-offs of 1 and 0 leave every set, however small, to the trees and their one-dim checks.
+    starts, sizes = columns
+    n = len(starts[0])
+    expected = any(_pair_overlaps(starts, sizes, (i, j)) for i in range(n) for j in range(i + 1, n))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_trees, "_FEW", few[0])
+        mp.setattr(_trees, "_FEW_PAIRS", few[1])
+        mp.setattr(_sweeps, "_BLOCK", 1)  # the two-dim sweep it calls, with blocks splitting all the time
+        pair = _trees.any_overlap(starts, sizes)
+    assert (pair is not None) == expected, (pair, starts, sizes)
+    if pair is not None:
+        assert _pair_overlaps(starts, sizes, pair)
+
+
+def _stacked_slabs(m: int) -> list[ShardMetadata]:
+    """Three stacked blocks of m slabs each, thin along dims 0, 1 and 2 in turn: a tiling of (m, m, 3m).
+
+    Every dim crosses m slabs of one block at once, and each slab spans m
+    elementary intervals of some other dim, so neither the cells nor a sweep
+    along any dim stays near-linear once a slab is missing.
+    """
+    shards = []
+    for i in range(m):
+        shards.append(ShardMetadata([i, 0, 0], [1, m, m], "rank:0/cpu"))
+        shards.append(ShardMetadata([0, i, m], [m, 1, m], "rank:1/cpu"))
+        shards.append(ShardMetadata([0, 0, 2 * m + i], [m, m, 1], "rank:2/cpu"))
+    return shards
+
+
+def test_layouts_past_every_cell_budget_go_to_the_segment_trees() -> None:
+    shards = _stacked_slabs(60)
+    validate_layout(shards, [60, 60, 180])  # a tiling: the corner test accepts it
+    gap = shards[:90] + shards[91:]
+    calls: list[int] = []
+    real = _trees.any_overlap
+
+    def counted(starts: Any, sizes: Any) -> Optional[tuple[int, int]]:
+        calls.append(len(starts[0]))
+        return real(starts, sizes)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_validation, "any_overlap", counted)
+        validate_non_overlapping(gap)
+        assert calls == [len(gap)]
+        grown = list(gap)
+        grown[2] = ShardMetadata(gap[2].shard_offsets, [60, 60, 2], "rank:2/cpu")  # into the next dim-2 slab, 5
+        with pytest.raises(ValueError, match=r"shards 2 .* and 5 .* overlap"):
+            validate_non_overlapping(grown)
+        assert find_overlap(grown, _validation._Columns(grown)) is not None
+    assert len(calls) == 3
 
 
 def test_projected_sweep_runs_where_all_cells_would_not_fit() -> None:

@@ -1,4 +1,4 @@
-"""Checks that shards neither overlap nor leave gaps, in O(n log n) comparisons for n shards in practice.
+"""Checks that shards neither overlap nor leave gaps: O(n log n) for n shards in practice, never quadratic.
 
 ``validate_non_overlapping`` looks only at the dimensions along which the
 non-empty shards actually differ (a dimension every shard spans in the same
@@ -26,9 +26,12 @@ way cannot separate two of them):
     the shards crossing the sweep line claim their projected cells (they
     are pairwise disjoint there, so a shared cell is an overlap): also
     linear in the cells claimed, so layouts split unevenly along one dim
-    (each column cut at its own row) stay O(n log n). Only a layout where
-    every such projection claims more than 8 cells a shard falls back to
-    torch's sweep, quadratic when many shards cross the sweep line.
+    (each column cut at its own row) stay O(n log n). A layout where every
+    such projection claims more than 8 cells a shard (shards cut at their
+    own places along every dim, with gaps between them) goes to the segment
+    trees of :mod:`~shardwise._vocab.validation_tree`: O(n log^(k-1) n) for
+    k dims, whatever the layout. torch's sweep, which this used to fall
+    back to, is quadratic there when many shards cross the sweep line.
 
 ``check_covering`` then needs only the shards' volumes and bounds.
 Messages name the shards at fault, and also carry torch 2.13's wording
@@ -46,6 +49,7 @@ from operator import add, gt, itemgetter, le, mul, sub
 from typing import Any, Optional, Protocol, Sequence
 
 from shardwise._vocab.validation_sweep import many_dims, pairwise_sweep, tiles, two_dims
+from shardwise._vocab.validation_tree import any_overlap
 
 __all__ = ["check_covering", "describe", "find_overlap", "validate_layout", "validate_non_overlapping"]
 
@@ -138,7 +142,7 @@ def _several_dims(
     try:
         return many_dims(starts, sizes, _CELLS_PER_SHARD * n + 1024, _CORNER_DIMS)
     except OverflowError:
-        return pairwise_sweep(starts, sizes, max(range(len(starts)), key=lambda k: len(set(starts[k]))))
+        return any_overlap(starts, sizes)
 
 
 class _Columns:
@@ -269,7 +273,7 @@ def _ordered(pair: Optional[tuple[int, int]]) -> Optional[tuple[int, int]]:
 
 
 def validate_non_overlapping(shards: Sequence[Box], columns: Optional[_Columns] = None) -> None:
-    """Raise if two non-empty shards overlap; O(n log n) in the number of shards.
+    """Raise if two non-empty shards overlap; O(n log n) in the number of shards in practice, never quadratic.
 
     Args:
         shards: The shards.

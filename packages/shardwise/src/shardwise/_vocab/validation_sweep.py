@@ -12,7 +12,8 @@ returns the local indices of two overlapping shards, or None.
   dim), claimed in one dict when that stays within a budget (a grid claims
   one cell a shard); past it, a sweep along the dim that leaves the fewest
   cells in the other dims, where the active shards claim their projected
-  cells; past that too, :func:`pairwise_sweep`.
+  cells; past that too, it raises OverflowError and the caller uses the
+  segment trees of :mod:`~shardwise._vocab.validation_tree`.
 
 Why the projected sweep is exact: the shards active at one sweep position
 all contain that coordinate, so (with no overlap found so far) their
@@ -148,8 +149,8 @@ def two_dims(starts: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]], a:
 def pairwise_sweep(starts: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]], a: int) -> Pair:
     """Sweep along dim ``a``, comparing each shard with every shard crossing the sweep line.
 
-    torch 2.13's method: cheapest for a handful of shards, quadratic when
-    many cross the line at once (the last resort of :func:`many_dims`).
+    torch 2.13's method: cheapest for a handful of shards (the only ones
+    the caller gives it), quadratic when many cross the line at once.
     """
     n = len(starts[0])
     ends = [list(map(add, s, z)) for s, z in zip(starts, sizes, strict=True)]
