@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import shardwise
 from shardwise import Host, LaunchInfo
-from shardwise._comm import group as group_module
+from shardwise._comm import group_agreement
 from shardwise._comm.hosts import this_host
 from shardwise._vocab.launch import group_by_host
 
@@ -65,7 +65,8 @@ def test_every_rank_of_one_machine_shares_its_host(world: int) -> None:
 def _hosts_faked_two_per_host() -> dict[str, Any]:
     group = shardwise.get_default_group()
     rank = group.rank
-    group_module.this_host = lambda: [f"node{rank // 2}", "same-kernel"]  # type: ignore[attr-defined]
+    # Group.hosts (in group_agreement) looks this_host up in its own module.
+    group_agreement.this_host = lambda: [f"node{rank // 2}", "same-kernel"]  # type: ignore[attr-defined]
     sub = group.new_group([1, 2, 3])
     out: dict[str, Any] = {
         "hosts": [(h.name, list(h.ranks)) for h in group.hosts()],

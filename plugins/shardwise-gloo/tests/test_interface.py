@@ -30,7 +30,10 @@ linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="in
 
 @pytest.fixture(autouse=True)
 def no_interface_chosen(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(IFNAME_ENV, raising=False)
+    # setenv first, so teardown undoes what choose_interface sets: delenv of an unset name records nothing,
+    # and the interface a test chose (eth-a) would reach later tests' mpiexec children.
+    monkeypatch.setenv(IFNAME_ENV, "")
+    monkeypatch.delenv(IFNAME_ENV)
 
 
 def _launch(rank: int, world: int = 4, local_world: Optional[int] = 2, addr: str = "host-a") -> LaunchInfo:
