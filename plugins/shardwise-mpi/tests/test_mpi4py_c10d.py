@@ -128,3 +128,18 @@ def test_a_frozen_rank_is_reported_and_the_job_aborted_after_the_group_timeout(c
     if KIND != "openmpi":
         # Open MPI's MPI_Abort sends SIGCONT before SIGTERM: the frozen rank may wake and finish in the last moment.
         assert "finished although rank 1 froze" not in proc.stdout, _show(proc)
+
+
+@needs_mpiexec
+@pytest.mark.parametrize(("level", "world_size"), [("DETAIL", 2), ("DETAIL", 3), ("OFF", 2)])
+def test_torch_distributed_debug_detail_compares_each_collective_across_ranks(level: str, world_size: int) -> None:
+    # torch checks its own backends' collectives under DETAIL (ProcessGroupWrapper) but never wraps a Python
+    # group: the backend does it. Differing shapes, dtypes or collectives raise on every rank (they used to
+    # hand a rank garbage); uneven all_gather and all_to_all stay legal; sub-groups are checked too.
+    cmd = [str(MPIEXEC), "-n", str(world_size), sys.executable, str(PROGRAMS / "c10d_detail.py"), level]
+    proc = _run(cmd, 120, TORCH_DISTRIBUTED_DEBUG=level)
+    assert proc.returncode == 0, _show(proc)
+    found = _ok_ranks(proc)
+    assert sorted(found) == list(range(world_size)), _show(proc)
+    if level == "DETAIL":
+        assert found[0] == found[1] == 6, _show(proc)  # ranks 0 and 1 ran every check, the sub-group's too

@@ -16,7 +16,7 @@ FSDP2 and DCP over MPI) is registered when asked, with
 
 from __future__ import annotations
 
-from shardwise_mpi._c10d import register as _register_c10d
+from shardwise_mpi._c10d_register import register as _register_c10d
 
 __version__ = "0.1.0"
 

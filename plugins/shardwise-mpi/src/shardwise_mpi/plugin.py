@@ -34,7 +34,9 @@ import torch.distributed as dist
 
 from shardwise import Availability, Backend, Group, LaunchInfo, hookimpl
 from shardwise.errors import LaunchError
-from shardwise_mpi._c10d import BACKEND_NAME, _mpi_store, register
+from shardwise_mpi._c10d import BACKEND_NAME
+from shardwise_mpi._c10d_register import register
+from shardwise_mpi._c10d_rendezvous import mpi_store as _mpi_store
 from shardwise_mpi._libmpi import ensure_matching_library
 from shardwise_mpi._watchdog import FORWARD_GRACE
 
