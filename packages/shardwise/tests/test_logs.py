@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from shardwise._comm.agreement import Call, Rows, check_same, failed_call
+from shardwise._layout import plan_description
 from shardwise._layout import redistribute as redistribute_module
 from shardwise._layout.plan import plan, slab_plans
 from shardwise._layout.redistribute import describe, execute, redistribute
@@ -240,7 +241,7 @@ def test_a_plan_is_described_in_one_line() -> None:
     assert describe(plan(rows, rows, 0, 2), torch.float32) == (
         "rank 0 of 2, [8, 8] float32: keeps 1 piece (128 B); no rank sends anything, so no collective"
     )
-    assert [redistribute_module._bytes(n) for n in (0, 1023, 1536, 3 << 20, 5 << 30)] == [
+    assert [plan_description._bytes(n) for n in (0, 1023, 1536, 3 << 20, 5 << 30)] == [
         "0 B",
         "1023 B",
         "1.5 KiB",

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any, Sequence, cast
 import torch
 
 from shardwise._comm import cross_memory, local_copy
-from shardwise._comm.autograd import _AllToAllSingle
+from shardwise._comm.autograd_functions import _AllToAllSingle
 from shardwise.errors import CollectiveMismatchError, PeerError, PeerLostError
 
 if TYPE_CHECKING:

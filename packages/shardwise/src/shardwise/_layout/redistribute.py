@@ -37,6 +37,13 @@ Nothing here checks that ranks agree; the entry points that do
 Each plan executed is logged at DEBUG on the ``shardwise.plan`` logger
 (:func:`describe`; ``SHARDWISE_LOGS=plan=debug``), once per layout change
 whatever its number of rounds; the line is only built when that level is on.
+
+The pieces it is built from live beside it: the copies between shards and
+buffers (:func:`box`, packing, unpacking, the views a plan sends from or
+receives into) in :mod:`shardwise._layout.packing`, the one-copy path
+(:func:`read_direct`) in :mod:`shardwise._layout.direct_read`, and the
+debug log's wording (:func:`describe`) in
+:mod:`shardwise._layout.plan_description`; they are re-exported here.
 """
 
 from __future__ import annotations
@@ -47,9 +54,12 @@ from typing import TYPE_CHECKING, Any, Collection, Mapping, NoReturn, Optional, 
 
 import torch
 
-from shardwise._comm import box_moves, buffers, local_copy
+from shardwise._comm import buffers
+from shardwise._layout.direct_read import read_direct
+from shardwise._layout.packing import box, copy_local, pack, receive_view, send_view, unpack
 from shardwise._layout.plan import plan
-from shardwise._layout.plan_records import Piece, Run, TransferPlan, row_major_start
+from shardwise._layout.plan_description import describe
+from shardwise._layout.plan_records import Piece, TransferPlan, row_major_start
 from shardwise._layout.plan_rounds import pairs_fit, slab_plans
 from shardwise._vocab.metadata import ShardedTensorMetadata
 from shardwise._vocab.shard import Shard
@@ -57,8 +67,9 @@ from shardwise._vocab.shard import Shard
 if TYPE_CHECKING:
     from shardwise._comm.group import Group
 
-# Piece, TransferPlan and row_major_start live in shardwise._layout.plan_records, plan in shardwise._layout.plan;
-# re-exported for the callers here.
+# Piece, TransferPlan and row_major_start live in shardwise._layout.plan_records, plan in shardwise._layout.plan,
+# box, copy_local, pack, receive_view, send_view and unpack in shardwise._layout.packing, read_direct in
+# shardwise._layout.direct_read, describe in shardwise._layout.plan_description; re-exported for the callers here.
 __all__ = [
     "Piece", "TransferPlan", "box", "describe", "execute", "executed_slabs", "match_sources", "plan", "read_direct",
     "receive_view", "redistribute", "row_major_start", "send_view",
@@ -67,178 +78,7 @@ __all__ = [
 _log = logging.getLogger("shardwise.plan")
 
 
-# -- the debug log -------------------------------------------------------------
-
-
-def _bytes(n: int) -> str:
-    """``n`` bytes for people: ``"64 B"``, ``"1.5 KiB"``, ``"3.0 MiB"``, ``"2.0 GiB"``."""
-    if n < 1024:
-        return f"{n} B"
-    value = n / 1024
-    for unit in ("KiB", "MiB"):
-        if value < 1024:
-            return f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} GiB"
-
-
-def _per_peer(counts: Sequence[int], itemsize: int) -> str:
-    """``" {peer: bytes, ...}"`` for the peers with a non-zero count, or ``""``."""
-    shown = ", ".join(f"{r}: {_bytes(n * itemsize)}" for r, n in enumerate(counts) if n)
-    return f" {{{shown}}}" if shown else ""
-
-
-def _pieces(n: int, nbytes: int = 0) -> str:
-    """``"nothing"``, ``"1 piece"``, ``"3 pieces (96 B)"`` (bytes shown when ``nbytes`` is not 0)."""
-    if n == 0:
-        return "nothing"
-    return (f"{n} piece" if n == 1 else f"{n} pieces") + (f" ({_bytes(nbytes)})" if nbytes else "")
-
-
-def _how(pl: TransferPlan) -> tuple[str, str]:
-    """How a one-round plan sends and receives: from/into a view, or through a buffer."""
-    if pl.send_view is not None:
-        sends = f"from a view of source shard {pl.send_view.shard}"
-    else:
-        sends = "packed into a send buffer"
-    if pl.recv_whole is not None:
-        receives = f"into a buffer that becomes target shard {pl.recv_whole}"
-    elif pl.recv_view is not None:
-        receives = f"into a view of target shard {pl.recv_view.shard}"
-    else:
-        receives = "into a receive buffer, then unpacked"
-    return sends, receives
-
-
-def describe(pl: TransferPlan, wire_dtype: torch.dtype, parts: Sequence[TransferPlan] = ()) -> str:
-    """One line saying what ``pl`` moves and how: the ``shardwise.plan`` debug log's record of it.
-
-    Args:
-        pl: This rank's plan.
-        wire_dtype: The dtype the data moves in (bytes are counted in it).
-        parts: The plans of its rounds when it moves in parts
-            (:func:`~shardwise._layout.plan_rounds.slab_plans`); empty: one round.
-
-    Returns:
-        For example ``rank 0 of 2, [8, 8] float32: keeps 1 piece (64 B); sends 1 piece {1: 64 B}
-        packed into a send buffer; receives 1 piece {1: 64 B} into a view of target shard 0; 1 round,
-        64 B of buffers``.
-    """
-    size = wire_dtype.itemsize
-    rounds = tuple(parts) or (pl,)
-    dtype = str(wire_dtype).replace("torch.", "")
-    local = _pieces(len(pl.local), sum(p.numel for p in pl.local) * size)
-    head = f"rank {pl.rank} of {pl.world_size}, {list(pl.size)} {dtype}: keeps {local}"
-    if not pl.needs_wire:
-        return f"{head}; no rank sends anything, so no collective"
-    sent, received = sum(map(len, pl.send)), sum(map(len, pl.recv))
-    sends = f"sends {_pieces(sent)}{_per_peer(pl.send_counts, size)}"
-    receives = f"receives {_pieces(received)}{_per_peer(pl.recv_counts, size)}"
-    peak = _bytes(max(part.buffer_numel for part in rounds) * size)
-    if len(rounds) == 1:
-        how_sent, how_received = _how(pl)
-        sends += f" {how_sent}" if sent else ""
-        receives += f" {how_received}" if received else ""
-        return f"{head}; {sends}; {receives}; 1 round, {peak} of buffers"
-    from_view = sum(part.send_view is not None for part in rounds)
-    into_view = sum(part.recv_view is not None for part in rounds)
-    cut = rounds[0].cut or "slabs"
-    return (
-        f"{head}; {sends}; {receives}; {len(rounds)} rounds ({cut}), at most {peak} of buffers in each; "
-        f"sent from a view in {from_view} and received into one in {into_view} of them"
-    )
-
-
 # -- moving data -------------------------------------------------------------
-
-
-def box(tensor: torch.Tensor, start: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
-    """View of ``tensor[start : start + sizes]`` (narrowing only the dims that need it)."""
-    for d, (s, n) in enumerate(zip(start, sizes, strict=True)):
-        if s or n != tensor.shape[d]:
-            tensor = tensor.narrow(d, s, n)
-    return tensor
-
-
-def copy_local(
-    pl: TransferPlan, sources: Mapping[int, torch.Tensor], targets: Mapping[int, torch.Tensor], wire_dtype: torch.dtype
-) -> None:
-    """Copy the pieces whose source and target are both on this rank, without the wire."""
-    for p in pl.local:
-        piece = box(sources[p.src], p.src_start, p.sizes)
-        target = targets[p.dst]
-        if piece.dtype != wire_dtype and target.dtype != wire_dtype:
-            # Round through the wire dtype as the remote pieces are.
-            piece = piece.to(wire_dtype)
-        box(target, p.dst_start, p.sizes).copy_(piece)
-
-
-def _view_of_run(tensor: torch.Tensor, run: Run, dtype: torch.dtype) -> Optional[torch.Tensor]:
-    """The flat view ``run`` of ``tensor``, if its memory is laid out as the plan assumed.
-
-    The plan found the pieces back to back in the shard's row-major
-    order; that is its memory only when the tensor is contiguous and of
-    the wire ``dtype`` (the bytes sent are the wire dtype's).
-    """
-    if tensor.dtype != dtype or not tensor.is_contiguous():
-        return None
-    return tensor.detach().reshape(-1)[run.start : run.end]
-
-
-def send_view(pl: TransferPlan, sources: Mapping[int, torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
-    """The view of a source shard that holds every outgoing piece in wire order, when the plan says one does.
-
-    Sending from it needs no send buffer and no packing copy (a whole
-    shard, or consecutive rows of one).
-    """
-    run = pl.send_view
-    return None if run is None else _view_of_run(sources[run.shard], run, dtype)
-
-
-def pack(
-    pl: TransferPlan, sources: Mapping[int, torch.Tensor], dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    """One flat ``dtype`` buffer with the pieces for rank 0, then rank 1, ...: :func:`send_view`, else a copy."""
-    view = send_view(pl, sources, dtype)
-    if view is not None:
-        return view
-    pieces = [p for per_rank in pl.send for p in per_rank]
-    buf = buffers.empty((sum(p.numel for p in pieces),), dtype, device)
-    pos = 0
-    for p in pieces:
-        buf[pos : pos + p.numel].view(p.sizes).copy_(box(sources[p.src], p.src_start, p.sizes))
-        pos += p.numel
-    return buf
-
-
-def receive_view(pl: TransferPlan, targets: Mapping[int, torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
-    """The view of a target shard that the received pieces fill back to back, when the plan says one does.
-
-    The all-to-all then writes straight into the target (gather's ``out``,
-    a reshard target whose incoming rows are consecutive): no receive
-    buffer, no unpacking copy. None also when that target is not in
-    ``targets`` (the caller adopts the receive buffer as it, see
-    :attr:`~shardwise._layout.plan_records.TransferPlan.recv_whole`).
-    """
-    run = pl.recv_view
-    if run is None or run.shard not in targets:
-        return None
-    return _view_of_run(targets[run.shard], run, dtype)
-
-
-def unpack(pl: TransferPlan, flat: torch.Tensor, targets: Mapping[int, torch.Tensor]) -> None:
-    """Copy what arrived (rank 0's pieces, then rank 1's, ...) into the targets.
-
-    Pieces of a target missing from ``targets`` stay in ``flat`` (the caller
-    adopts ``flat`` as that target, see
-    :attr:`~shardwise._layout.plan_records.TransferPlan.recv_whole`).
-    """
-    pos = 0
-    for per_rank in pl.recv:
-        for p in per_rank:
-            if p.dst in targets:
-                box(targets[p.dst], p.dst_start, p.sizes).copy_(flat[pos : pos + p.numel].view(p.sizes))
-            pos += p.numel
 
 
 def execute(
@@ -311,92 +151,6 @@ def _send_bytes(
         if async_op:
             return group.all_to_all_single(send.view(torch.uint8), **sizes, async_op=True)
         return group.all_to_all_single(send.view(torch.uint8), **sizes)
-
-
-def _fits_direct(t: Optional[torch.Tensor], dtype: torch.dtype) -> bool:
-    """Whether a peer may read (or write) ``t``'s memory as the plan's row-major boxes of ``dtype``."""
-    return t is not None and t.dtype == dtype and t.dim() > 0 and local_copy.copyable(t)
-
-
-def read_direct(
-    pl: TransferPlan,
-    sources: Mapping[int, torch.Tensor],
-    targets: Mapping[int, torch.Tensor],
-    group: Group,
-    wire_dtype: torch.dtype,
-) -> Optional[torch.Tensor]:
-    """Run ``pl`` with one copy per remote piece, straight from the source shards into the target shards.
-
-    When every rank of ``group`` is on this host and the backend offers it
-    (:mod:`shardwise._comm.box_moves`), each piece that changes rank is
-    copied once by cross-memory attach, read by its receiver or written by
-    its sender (cut between them so the ranks' work is even): no packing,
-    no send or receive buffer, no unpacking, whatever the plan's views say.
-    Collective; every rank takes this path or none. The caller guarantees
-    that the ranks' plans fit together (``trusted``).
-
-    The local pieces are copied too, once the ranks have agreed and while
-    the peers copy: a scatter's root copies its own piece in the time the
-    others get theirs, instead of before they may start.
-
-    Returns:
-        The adopted target's flat memory when ``pl.recv_whole`` is not in
-        ``targets`` (allocated here), else an empty tensor; None when the
-        ranks declined (nothing moved, not even the local pieces: take the
-        all-to-all).
-    """
-    if not local_copy.usable(group):
-        return None
-    item = wire_dtype.itemsize
-    sending = {p.src for per in pl.send for p in per}
-    receiving = {p.dst for per in pl.recv for p in per}
-    ok = all(_fits_direct(sources.get(j), wire_dtype) for j in sending)
-    ok = ok and all(j in targets or j == pl.recv_whole for j in receiving)
-    ok = ok and all(_fits_direct(targets[j], wire_dtype) for j in receiving if j in targets)
-    boxes: list[box_moves.BoxMove] = []
-    nbytes = runs = 0
-    for peer_pieces, incoming in ((pl.recv, True), (pl.send, False)):
-        for peer, per in enumerate(peer_pieces):
-            for p in per:
-                ok = ok and len(p.sizes) > 0
-                run = box_moves.run_bytes(pl.src_shapes[p.src], pl.dst_shapes[p.dst], p.sizes, item)
-                nbytes, runs = nbytes + p.numel * item, runs + (p.numel * item // run if run else 0)
-                src_rank, dst_rank = (peer, pl.rank) if incoming else (pl.rank, peer)
-                boxes.append(
-                    box_moves.BoxMove(
-                        src_rank, dst_rank, p.src, pl.src_shapes[p.src], p.src_start,
-                        p.dst, pl.dst_shapes[p.dst], p.dst_start, p.sizes,
-                    )
-                )  # fmt: skip
-    # Many tiny runs (a narrow column box) cost an iovec each: the all-to-all packs them faster.
-    ok = ok and (runs == 0 or nbytes // runs >= box_moves.MIN_RUN_BYTES)
-    # Peers write into this rank's targets, so they exist before the ranks agree (freed if they decline).
-    adopted: dict[int, torch.Tensor] = {}
-    if ok and pl.recv_whole is not None and pl.recv_whole in receiving and pl.recv_whole not in targets:
-        adopted[pl.recv_whole] = buffers.empty(pl.dst_shapes[pl.recv_whole], wire_dtype, torch.device("cpu"))
-    published = {j: sources[j] for j in sending} if ok else {}
-    written = {j: targets[j] if j in targets else adopted[j] for j in receiving} if ok else {}
-    local_bytes = sum(p.numel for p in pl.local) * item
-    local_runs = sum(
-        p.numel * item // box_moves.run_bytes(pl.src_shapes[p.src], pl.dst_shapes[p.dst], p.sizes, item)
-        for p in pl.local
-        if p.numel
-    )
-    if not box_moves.move_boxes(
-        group,
-        ok,
-        published,
-        written,
-        (len(pl.src_owner), len(pl.dst_owner)),
-        boxes,
-        item,
-        (local_bytes, local_runs),
-        lambda: copy_local(pl, sources, targets, wire_dtype),
-    ):
-        return None
-    if pl.recv_whole is not None and pl.recv_whole in adopted:
-        return adopted[pl.recv_whole].view(-1)
-    return torch.empty(0, dtype=wire_dtype, device="cpu")
 
 
 def match_sources(shards: Sequence[Shard], md: ShardedTensorMetadata, rank: int) -> dict[int, torch.Tensor]:

@@ -1,4 +1,8 @@
-"""``ShardedTensor``: a ``torch.Tensor`` wrapper whose data lives in shards on many ranks."""
+"""``ShardedTensor``: a ``torch.Tensor`` wrapper whose data lives in shards on many ranks.
+
+Its fields, and the dunder hooks that read nothing but them, are on its
+private base class :class:`~shardwise._tensor.sharded_tensor_fields.ShardedTensorFields`.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ from torch.utils import _pytree as pytree
 
 from shardwise._comm.default_group import resolve_group
 from shardwise._registry.manager import get_registry
-from shardwise._tensor import dcp, pickling
+from shardwise._tensor import pickling
 from shardwise._tensor.from_shards import assemble_local_shards
 from shardwise._tensor.gather import all_gather_tensor, gather_to
 from shardwise._tensor.local_shards import match_local_shards, no_default_group, shards_without_group
@@ -22,6 +26,7 @@ from shardwise._tensor.placements import (
     validate_placements,
 )
 from shardwise._tensor.reshard import reshard_shards
+from shardwise._tensor.sharded_tensor_fields import ShardedTensorFields
 from shardwise._tensor.specs import ShardingSpec, infer_sharding_spec
 from shardwise._vocab.metadata import ShardMetadata, ShardedTensorMetadata, TensorProperties
 from shardwise._vocab.shard import Shard
@@ -98,7 +103,7 @@ class ShardedTensorBase(torch.Tensor):
         return ShardedTensor._create(spec, sharded_tensor_metadata, local, None)
 
 
-class ShardedTensor(ShardedTensorBase):
+class ShardedTensor(ShardedTensorFields, ShardedTensorBase):
     """A tensor cut into shards that live on the ranks of a process group.
 
     Every rank holds a ``ShardedTensor`` object with the global metadata
@@ -131,12 +136,6 @@ class ShardedTensor(ShardedTensorBase):
     - ``init_rrefs``: Accepted for torch compatibility; must be False (RPC
       is not supported).
     """
-
-    _sharding_spec: ShardingSpec
-    _metadata: ShardedTensorMetadata
-    _local_shards: list[Shard]
-    _process_group: Any
-    _init_rrefs: bool
 
     @staticmethod
     def __new__(
@@ -223,29 +222,6 @@ class ShardedTensor(ShardedTensorBase):
         r._process_group = group
         r._init_rrefs = False
         return r
-
-    def _replace(
-        self,
-        *,
-        spec: Optional[ShardingSpec] = None,
-        metadata: Optional[ShardedTensorMetadata] = None,
-        shards: Optional[list[Shard]] = None,
-        group: Any = None,
-    ) -> None:
-        """Swap parts of the layout (after ``_create``, the one writer: reshard, unpickling, in-place ops).
-
-        No validation and no communication: the caller has checked that the
-        parts fit together (and, for a collective change, agreed on them).
-        Parts passed as None stay as they are.
-        """
-        if spec is not None:
-            self._sharding_spec = spec
-        if metadata is not None:
-            self._metadata = metadata
-        if shards is not None:
-            self._local_shards = shards
-        if group is not None:
-            self._process_group = group
 
     # -- construction from shards ------------------------------------------
     # torch 2.13's signature, which inserts process_group and init_rrefs before the base's sharding_spec.
@@ -495,37 +471,6 @@ class ShardedTensor(ShardedTensorBase):
         if record is None:
             raise registry.op_not_found(func, st._sharding_spec)
         return record.impl(types, args, kwargs, st._process_group)
-
-    @classmethod
-    def __torch_dispatch__(  # type: ignore[override]
-        cls, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None
-    ) -> Any:
-        raise RuntimeError(
-            f"{func} reached ShardedTensor below __torch_function__ (from C++ or autograd on the wrapper); "
-            "ShardedTensor only supports ops with a sharded implementation"
-        )
-
-    def __hash__(self) -> int:
-        return id(self)
-
-    def __repr__(self) -> str:  # type: ignore[override]
-        return (
-            f"ShardedTensor(size={list(self._metadata.size)}, dtype={self._metadata.tensor_properties.dtype}, "
-            f"spec={self._sharding_spec!r}, local_shards={len(self._local_shards)})"
-        )
-
-    # -- torch.distributed.checkpoint (see _checkpoint) ---------------------
-    def __create_write_items__(self, fqn: str, object: Any) -> list[Any]:
-        """DCP: what this rank saves for key ``fqn``: one item per non-empty local shard."""
-        return dcp.write_items(self._local_shards, self._metadata.size, fqn)
-
-    def __create_chunk_list__(self) -> list[Any]:
-        """DCP: the chunks of the global tensor this rank holds (a load reads what overlaps them)."""
-        return dcp.chunk_list(self._local_shards)
-
-    def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
-        """DCP: the local shard tensor at ``index.offset`` (the storage itself: loads ``copy_`` into it)."""
-        return dcp.tensor_shard(self._local_shards, index)
 
     def __getstate__(self) -> Any:
         pickling.register_safe_globals(ShardedTensor)
