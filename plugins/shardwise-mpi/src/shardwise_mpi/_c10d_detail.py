@@ -56,7 +56,9 @@ def _differences(mine: Fingerprint, theirs: Fingerprint) -> str:
     names = ("Op type", "Sequence number")
     found = [f"{name}: {a} vs {b}" for name, a, b in zip(names, mine[:2], theirs[:2], strict=True) if a != b]
     for k, what in enumerate(("Tensor shapes", "Tensor dtypes", "Tensor devices")):
-        a, b = [t[k] for t in mine[2]], [t[k] for t in theirs[2]]
+        # Shapes as lists, as torch prints them: [4] rather than (4,).
+        a = [list(t[k]) if k == 0 else t[k] for t in mine[2]]
+        b = [list(t[k]) if k == 0 else t[k] for t in theirs[2]]
         if a != b:
             found.append(f"{what}: {a} vs {b}")
     return "; ".join(found)
