@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import atexit
-import functools
 import json
 import os
 import pickle
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
 
 from shardwise._vocab.switches import switched_on
+from shardwise.testing._launchers import find_mpiexec, launcher_free_env, mpiexec_kind
 
 __all__ = ["RankError", "current_rank_dir", "find_mpiexec", "launcher_free_env", "mpiexec_kind", "run_ranks"]
 
@@ -213,80 +213,6 @@ def run_ranks(
             for proc in procs:
                 _kill(proc)
             del store
-
-
-def find_mpiexec() -> str:
-    """The ``mpiexec`` to launch with: ``$SHARDWISE_MPIEXEC``, the one beside this Python, else PATH's.
-
-    Raises:
-        FileNotFoundError: none is found (``pip install shardwise-mpi[mpich]``
-            installs one into the environment).
-    """
-    explicit = os.environ.get("SHARDWISE_MPIEXEC")
-    if explicit:
-        return explicit
-    beside = Path(sys.executable).parent / "mpiexec"
-    if beside.exists():
-        return str(beside)
-    found = shutil.which("mpiexec") or shutil.which("mpirun")
-    if found is None:
-        raise FileNotFoundError(
-            "no mpiexec found (looked at $SHARDWISE_MPIEXEC, beside the Python executable and on PATH); "
-            "`pip install shardwise-mpi[mpich]` installs one"
-        )
-    return found
-
-
-#: Variables a surrounding launcher (or a developer's shell) may have set; they
-#: would change what a launched job's ranks think their job is.
-_LAUNCH_VARS = frozenset(
-    {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
-     "MPI_LOCALNRANKS", "MPI_LOCALRANKID"}
-)  # fmt: skip
-_LAUNCH_PREFIXES = ("TORCHELASTIC_", "OMPI_", "PMI_", "PMIX_", "SLURM_", "HYDRA_", "I_MPI_", "SHARDWISE_")
-#: Launcher *settings*, kept: Open MPI's MCA parameters and its permission to run as root.
-_SETTING_PREFIXES = ("OMPI_MCA_", "OMPI_ALLOW_RUN_AS_ROOT")
-
-
-def launcher_free_env(environ: Optional[Mapping[str, str]] = None, **extra: str) -> dict[str, str]:
-    """``environ`` (default ``os.environ``) without any launcher's or rendezvous variables, plus ``extra``.
-
-    A job a test starts (under ``mpiexec``, ``torchrun``, or none: a world of
-    one) then sees only what its own launcher sets, even where the test itself
-    runs inside a launched job. ``SHARDWISE_*`` goes too; Open MPI's settings
-    (``OMPI_MCA_*``, ``OMPI_ALLOW_RUN_AS_ROOT*``) stay.
-    """
-    source = os.environ if environ is None else environ
-    env = {
-        name: value
-        for name, value in source.items()
-        if name.startswith(_SETTING_PREFIXES) or (name not in _LAUNCH_VARS and not name.startswith(_LAUNCH_PREFIXES))
-    }
-    env.update(extra)
-    return env
-
-
-@functools.cache
-def mpiexec_kind(mpiexec: Optional[str] = None) -> str:
-    """Which MPI an ``mpiexec`` belongs to: ``"openmpi"``, ``"mpich"`` (Hydra, also Intel MPI's), else ``"unknown"``.
-
-    Tests need it where the two launchers' options differ (per-rank
-    environment variables, several programs in one job).
-
-    Args:
-        mpiexec: the launcher's path; default :func:`find_mpiexec`'s.
-    """
-    path = mpiexec or find_mpiexec()
-    try:
-        proc = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60, check=False)
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
-    said = proc.stdout + proc.stderr
-    if "Open MPI" in said or "OpenRTE" in said or "PRRTE" in said:
-        return "openmpi"
-    if "HYDRA" in said or "Intel(R) MPI" in said:
-        return "mpich"
-    return "unknown"
 
 
 class _Proc(Protocol):
