@@ -29,8 +29,8 @@ way cannot separate two of them):
     (each column cut at its own row) stay O(n log n). A layout where every
     such projection claims more than 8 cells a shard (shards cut at their
     own places along every dim, with gaps between them) goes to the segment
-    trees of :mod:`~shardwise._vocab.validation_tree`: O(n log^(k-1) n) for
-    k dims, whatever the layout. torch's sweep, which this used to fall
+    trees of :mod:`~shardwise._vocab.validation_tree`: O(n log^k n) for k
+    dims, whatever the layout. torch's sweep, which this used to fall
     back to, is quadratic there when many shards cross the sweep line.
 
 ``check_covering`` then needs only the shards' volumes and bounds.

@@ -1,7 +1,7 @@
 """The overlap test of :mod:`shardwise._vocab.validation` that no layout makes quadratic: segment trees.
 
 :func:`any_overlap` finds two overlapping boxes among n boxes in k dims in
-O(n log^(k-1) n) steps for every layout: the last resort of
+O(n log^k n) steps for every layout: the last resort of
 :func:`~shardwise._vocab.validation_sweep.many_dims`, for layouts (three or
 more dims, not tiling their bounding box) whose elementary cells are too
 many to claim. torch 2.13's sweep, which compares a shard with every shard
@@ -20,9 +20,10 @@ its span list too or among the boxes partly covering ``v``. Every box at
 ``v`` only the other dims are left: the span list is checked against
 itself and against the partly covering boxes in one dim fewer
 (:func:`_red_blue`, the two-set version, splits the same way). Each box is
-at O(log n) nodes, so each dim costs a factor log n; the last dim is a
-sort (or the two-dim sweep of
-:func:`~shardwise._vocab.validation_sweep.two_dims`, O(n log n)).
+at O(log n) nodes, so each dim but the last costs a factor log n, and the
+last dim is a sort, O(n log n) (for one set, the two-dim sweep of
+:func:`~shardwise._vocab.validation_sweep.two_dims` does the last two dims
+in O(n log n)): O(n log^k n) in all, O(n log^3 n) for three dims.
 """
 
 from __future__ import annotations
