@@ -78,25 +78,44 @@ def _theirs(saved: dict[str, Any], local: list[Any]) -> int:
     return sum(len(create_read_items_for_chunk_list(fqn, md, local)) for fqn, md in saved.items())
 
 
-def _validation(counts: list[int], budget: float, limit: float) -> list[Row]:
+def _side_by_side(
+    section: str,
+    layouts: dict[str, Callable[[int], tuple[list[tuple[list[int], list[int]]], list[int]]]],
+    ours: Callable[[list[ShardMetadata], list[int]], None],
+    theirs: Callable[[list[TorchShardMetadata], list[int]], None],
+    growth: float,
+    counts: list[int],
+    budget: float,
+    limit: float,
+) -> list[Row]:
+    """shardwise's ``ours`` and torch's ``theirs`` on each layout at each count; torch skipped past ``limit``.
+
+    ``growth``: the power of n torch's time grows by, to estimate the next cell from the last one timed.
+    """
     rows: list[Row] = []
-    for name in ("rows", "columns", "grid", "grid3d"):
+    for name, make in layouts.items():
         last: Optional[tuple[int, float]] = None
         for n in counts:
-            boxes, size = LAYOUTS[name](n)
+            boxes, size = make(n)
             random.Random(n).shuffle(boxes)
-            ours = [ShardMetadata(o, s, "rank:0/cpu") for o, s in boxes]
-            theirs = [TorchShardMetadata(o, s, "rank:0/cpu") for o, s in boxes]
-            calls: dict[str, Callable[[], Any]] = {"shardwise": functools.partial(validate_layout, ours, size)}
-            # torch's cost grows as n^1.5 or faster on grids: skip a cell whose estimate is past the limit.
-            if last is None or last[1] * (len(boxes) / last[0]) ** 1.5 <= limit:
-                calls["torch"] = functools.partial(_torch_validate, theirs, size)
+            mine = [ShardMetadata(o, s, "rank:0/cpu") for o, s in boxes]
+            torchs = [TorchShardMetadata(o, s, "rank:0/cpu") for o, s in boxes]
+            calls: dict[str, Callable[[], Any]] = {"shardwise": functools.partial(ours, mine, size)}
+            if last is None or last[1] * (len(boxes) / last[0]) ** growth <= limit:
+                calls["torch"] = functools.partial(theirs, torchs, size)
             got = _time(calls, budget)
             if "torch" in got:
                 last = (len(boxes), got["torch"])
-            rows.append(("validation", name, len(boxes), got.get("torch"), got["shardwise"]))
+            rows.append((section, name, len(boxes), got.get("torch"), got["shardwise"]))
             print(_line(rows[-1]), flush=True)
+            gc.collect()
     return rows
+
+
+def _validation(counts: list[int], budget: float, limit: float) -> list[Row]:
+    # torch's cost grows as n^1.5 or faster on grids.
+    layouts = {name: LAYOUTS[name] for name in ("rows", "columns", "grid", "grid3d")}
+    return _side_by_side("validation", layouts, validate_layout, _torch_validate, 1.5, counts, budget, limit)
 
 
 def _split3d(n: int) -> list[tuple[list[int], list[int]]]:
@@ -127,25 +146,24 @@ def _slabs3d(n: int) -> list[tuple[list[int], list[int]]]:
 
 
 def _overlap(counts: list[int], budget: float, limit: float) -> list[Row]:
-    rows: list[Row] = []
-    for name, make in (("split3d", _split3d), ("slabs3d", _slabs3d)):
-        last: Optional[tuple[int, float]] = None
-        for n in counts:
-            boxes = make(n)
-            random.Random(n).shuffle(boxes)
-            ours = [ShardMetadata(o, s, "rank:0/cpu") for o, s in boxes]
-            theirs = [TorchShardMetadata(o, s, "rank:0/cpu") for o, s in boxes]
-            calls: dict[str, Callable[[], Any]] = {"shardwise": functools.partial(validate_non_overlapping, ours)}
-            # torch's sweep is quadratic on these: skip a cell whose estimate is past the limit.
-            if last is None or last[1] * (len(boxes) / last[0]) ** 2 <= limit:
-                calls["torch"] = functools.partial(validate_non_overlapping_shards_metadata, theirs)
-            got = _time(calls, budget)
-            if "torch" in got:
-                last = (len(boxes), got["torch"])
-            rows.append(("overlap check, no tiling", name, len(boxes), got.get("torch"), got["shardwise"]))
-            print(_line(rows[-1]), flush=True)
-            gc.collect()
-    return rows
+    # torch's sweep is quadratic on these; neither layout covers a tensor, so no size is checked.
+    layouts = {"split3d": _no_size(_split3d), "slabs3d": _no_size(_slabs3d)}
+    return _side_by_side(
+        "overlap check, no tiling",
+        layouts,
+        lambda shards, _: validate_non_overlapping(shards),
+        lambda shards, _: validate_non_overlapping_shards_metadata(shards),
+        2.0,
+        counts,
+        budget,
+        limit,
+    )
+
+
+def _no_size(
+    make: Callable[[int], list[tuple[list[int], list[int]]]],
+) -> Callable[[int], tuple[list[tuple[list[int], list[int]]], list[int]]]:
+    return lambda n: (make(n), [])
 
 
 def _reshard(worlds: list[int], budget: float) -> list[Row]:
